@@ -23,15 +23,17 @@ METADATA_KEY = "pptrace"
 METADATA_VERSION = 1
 
 
-_VALID_NAMES: set = set()  # memo of names already validated; hot loops reuse a few
+# Memo of names already validated, name -> parsed; hot loops reuse a few names.
+_PARSED_NAMES: dict = {}
 
 
 def _check_name(name: str) -> None:
-    if parse_name(name) is None:
+    parsed = parse_name(name)
+    if parsed is None:
         raise ValueError(
             f"region name {name!r} is not '<kind>:<op> [key=value ...]' (see DESIGN.md contract 1)"
         )
-    _VALID_NAMES.add(name)
+    _PARSED_NAMES[name] = parsed
 
 
 def _find_nvtx_domain():
@@ -64,9 +66,9 @@ class region:
 
     __slots__ = ("_name", "_tags", "_open")
 
-    def __init__(self, name: str, _valid=_VALID_NAMES, **tags):
-        # `_valid` is bound at definition time: a local lookup is cheaper on this hot path.
-        if name not in _valid:
+    def __init__(self, name: str, _parsed=_PARSED_NAMES, /, **tags):
+        # `_parsed` is bound at definition time: a local lookup is cheaper on this hot path.
+        if name not in _parsed:
             _check_name(name)
         self._name = name
         self._tags = tags
@@ -75,8 +77,10 @@ class region:
     def name(self) -> str:
         if not self._tags:
             return self._name
-        parsed = parse_name(self._name)
-        return format_name(parsed.kind, parsed.op, **parsed.tags, **self._tags)
+        parsed = _PARSED_NAMES[self._name]
+        if not parsed.tags:
+            return format_name(parsed.kind, parsed.op, **self._tags)
+        return format_name(parsed.kind, parsed.op, **{**parsed.tags, **self._tags})
 
     def __enter__(self, _profiling=_profiler_enabled):
         if _NVTX_DOMAIN is None and not _profiling():

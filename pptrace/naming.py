@@ -40,7 +40,7 @@ def _format_value(value) -> str:
     return text
 
 
-def format_name(kind: str, op: str, **tags) -> str:
+def format_name(kind: str, op: str, /, **tags) -> str:
     """``format_name("pp", "send_fwd", peer=5, mb=3)`` -> ``"pp:send_fwd peer=5 mb=3"``.
 
     Tags keep the order they were given in; ``None`` values are dropped so callers can pass
