@@ -127,3 +127,142 @@ def _human_size(n: int) -> str:
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def _run_options(fn):
+    """--steps/--ranks filters shared by the commands that load a run."""
+    fn = click.option("--ranks", "ranks_text", metavar="LIST", help="Only these ranks, e.g. '0,1,4-7'.")(fn)
+    fn = click.option("--steps", "steps_text", metavar="LIST", help="Only these profiled steps, e.g. '2-3'.")(fn)
+    return fn
+
+
+def _write_json(document: dict, target: str | None = None) -> None:
+    import orjson
+
+    blob = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    if target in (None, "-"):
+        click.echo(blob.decode())
+    else:
+        Path(target).write_bytes(blob + b"\n")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@_run_options
+@click.option("--json", "json_out", is_flag=True, help="Print the contract-4 JSON document instead of tables.")
+@click.option("--html", "html_out", type=click.Path(path_type=Path), help="Also write the dashboard page here.")
+@_one_line_errors
+def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out):
+    """Where each rank's step time goes: compute, pipeline bubble, p2p wait vs transfer,
+    exposed vs hidden TP/CP/DP communication, stragglers."""
+    from .report import build_report, print_report
+
+    run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
+    report = build_report(run)
+    if json_out:
+        _write_json(report)
+    else:
+        print_report(report, _console())
+    if html_out:
+        from dashboards import write_dashboard
+
+        write_dashboard(run, report, html_out)
+        _console(stderr=True).print(f"dashboard: {html_out}")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@_run_options
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="HTML file to write (default: RUN/report.html).")
+@click.option("--png", "png_dir", type=click.Path(path_type=Path), help="Also write one PNG per figure here.")
+@_one_line_errors
+def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
+    """One self-contained interactive HTML page: the pipeline as it ran, breakdowns, overlap, stragglers."""
+    from dashboards import write_dashboard
+
+    from .report import build_report
+
+    run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
+    output = output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
+    path = write_dashboard(run, build_report(run), output, png_dir=png_dir)
+    click.echo(f"dashboard: {path}")
+    if png_dir:
+        click.echo(f"figures: {png_dir}")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@_run_options
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
+              help="Merged trace to write (.json or .json.gz).")
+@_one_line_errors
+def merge(run_dir: Path, steps_text, ranks_text, output):
+    """One Perfetto / chrome://tracing trace of every rank on aligned clocks, p2p pairs as arrows."""
+    from .merge import merge_run
+
+    run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
+    path = merge_run(run, output)
+    click.echo(f"merged {len(run.ranks)} ranks into {path}")
+    for warning in run.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb-h1"]),
+              help="Replay under this schedule (default: as measured).")
+@click.option("--vpp", type=click.IntRange(min=1), help="Virtual chunks per stage for interleaved.")
+@click.option("--microbatches", type=click.IntRange(min=1), help="Number of microbatches.")
+@click.option("--no-straggler", is_flag=True, help="Replace the slowest rank's times by its peers' median.")
+@click.option("--p2p-free", is_flag=True, help="Make pipeline transfers free.")
+@click.option("--json", "json_out", is_flag=True, help="Print the prediction as JSON instead of a table.")
+@click.option("--trace", "trace_out", type=click.Path(path_type=Path), help="Write the simulated timeline (Perfetto).")
+@_one_line_errors
+def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out):
+    """Predict the step time under another schedule, vpp, microbatch count, without the straggler."""
+    from . import whatif as whatif_mod
+
+    run = _load(run_dir)
+    result = whatif_mod.whatif(run, schedule=schedule, vpp=vpp, microbatches=microbatches,
+                               no_straggler=no_straggler, p2p_free=p2p_free)
+    if trace_out:
+        whatif_mod.write_simulated_trace(result, trace_out)
+    if json_out:
+        _write_json(result)
+    else:
+        whatif_mod.print_whatif(result, _console())
+        if trace_out:
+            click.echo(f"simulated trace: {trace_out}")
+
+
+DEMO_TRAINER_ARGS = ["--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1", "--sp", "--schedule", "1f1b",
+                     "--microbatches", "4", "--steps", "4", "--profile-steps", "2-3"]
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True,
+              help="Run directory to write.")
+@click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
+@_one_line_errors
+def demo(out: Path, trainer_args):
+    """Run the reference trainer on CPU (tp2 cp2 pp2 + SP, 1F1B, 8 gloo ranks), then analyze it
+    and write the dashboard. Extra arguments go to the trainer
+    (`python -m instrumented_model.train --help`), e.g. `pptrace demo -- --compute sleep`."""
+    from instrumented_model.train import main as train_main
+
+    argv = [*DEMO_TRAINER_ARGS, *trainer_args, "--out", str(out)]
+    click.echo(f"training: python -m instrumented_model.train {' '.join(argv)}", err=True)
+    if train_main(argv) != 0:
+        raise click.ClickException("the reference trainer failed (see the line above)")
+
+    from dashboards import write_dashboard
+
+    from .report import build_report, print_report
+
+    run = _load(out)
+    report = build_report(run)
+    print_report(report, _console())
+    _write_json(report, str(out / "analysis.json"))
+    html = write_dashboard(run, report, out / "report.html")
+    click.echo(f"\nanalysis: {out / 'analysis.json'}\ndashboard: {html}")
