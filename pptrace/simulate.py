@@ -1,0 +1,349 @@
+"""Event simulation of pipeline schedules: replay p stages x m microbatches with given durations.
+
+Each stage runs a *program*: its compute passes (F, B, W) in the trainer's order
+(``instrumented_model.schedule_table``) interleaved with the p2p exchanges the trainer posts
+between them (Megatron's combined ops: ``send_forward_recv_backward`` and the interleaved
+schedule's four-way exchange). Modelling the exchanges and not only the data dependencies
+matters: a combined op waits for *all* its directions, so a stage can be held by a message it
+does not need yet, and that is part of the step time the trainer really shows.
+
+Communication follows rendezvous semantics by default (gloo's send waits for the peer's recv,
+and the trainer waits on every request of an exchange): a send and its recv both complete
+``latency`` after the later of the two was posted; an exchange completes when all its directions
+have. ``sends="eager"`` models fire-and-forget sends instead (a send completes when posted, its
+message lands ``latency`` later), i.e. the pure data dependencies of the schedule: that is the
+model behind the papers' closed forms, and it shows what asynchronous sends would gain.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from instrumented_model.schedule_table import (
+    SCHEDULES,
+    interleaved_backward_order,
+    interleaved_forward_order,
+    num_warmup_microbatches,
+    schedule_table,
+)
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One direction of a p2p exchange. ``chunk`` is the chunk that consumes the tensor on
+    the receiving stage (the trainer's tag convention), so (direction, src, dst, mb, chunk)
+    names a message uniquely within a step."""
+
+    direction: str  # "fwd" (activation) | "bwd" (gradient)
+    is_send: bool
+    src: int
+    dst: int
+    mb: int
+    chunk: int = 0
+
+    @property
+    def key(self) -> tuple:
+        return (self.direction, self.src, self.dst, self.mb, self.chunk)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One entry of a stage program: a compute pass ("F", "B", "W"), an exchange ("comm":
+    post and wait), or an exchange split in two ("post" ... "wait") with work in between."""
+
+    kind: str
+    mb: int = -1
+    chunk: int = 0
+    msgs: tuple = ()
+
+
+# ---------------------------------------------------------------------------------------
+# programs: the trainer's order of passes and exchanges
+# ---------------------------------------------------------------------------------------
+def _comm(*msgs) -> list[Op]:
+    present = tuple(m for m in msgs if m is not None)
+    return [Op("comm", msgs=present)] if present else []
+
+
+def _program_flat(schedule: str, p: int, r: int, m: int) -> list[Op]:
+    """GPipe, 1F1B and ZB-H1, as ``pipeline_parallel.py`` posts them."""
+    def recv_fwd(mb):
+        return Msg("fwd", False, r - 1, r, mb) if r > 0 else None
+
+    def send_fwd(mb):
+        return Msg("fwd", True, r, r + 1, mb) if r < p - 1 else None
+
+    def recv_bwd(mb):
+        return Msg("bwd", False, r + 1, r, mb) if r < p - 1 else None
+
+    def send_bwd(mb):
+        return Msg("bwd", True, r, r - 1, mb) if r > 0 else None
+
+    prog: list[Op] = []
+    if schedule == "gpipe":
+        for mb in range(m):
+            prog += _comm(recv_fwd(mb)) + [Op("F", mb)] + _comm(send_fwd(mb))
+        for mb in range(m):
+            prog += _comm(recv_bwd(mb)) + [Op("B", mb)] + _comm(send_bwd(mb))
+        return prog
+    zero_bubble = schedule == "zb-h1"
+    w_after_b: dict[int, list[int]] = {}
+    if zero_bubble:
+        table = schedule_table("zb-h1", p, r, m)
+        for i, (op, mb, _) in enumerate(table):
+            if op == "B":
+                following = []
+                for entry in table[i + 1:]:
+                    if entry[0] != "W":
+                        break
+                    following.append(entry[1])
+                w_after_b[mb] = following
+    warmup = num_warmup_microbatches("1f1b", p, r, m)
+    remaining = m - warmup
+
+    def backward_and_send(mb, recv_mb):
+        if not zero_bubble:
+            return [Op("B", mb)] + _comm(send_bwd(mb), None if recv_mb is None else recv_fwd(recv_mb))
+        # ZB-H1: post the grad upstream (and the next forward's recv), run the deferred W's
+        # while the messages fly, then wait.
+        exchange = _comm(send_bwd(mb), None if recv_mb is None else recv_fwd(recv_mb))
+        posted = [Op("post", msgs=exchange[0].msgs)] if exchange else []
+        waited = [Op("wait")] if exchange else []
+        return [Op("B", mb)] + posted + [Op("W", j) for j in w_after_b.get(mb, [])] + waited
+
+    for mb in range(warmup):
+        prog += _comm(recv_fwd(mb)) + [Op("F", mb)] + _comm(send_fwd(mb))
+    if remaining > 0:
+        prog += _comm(recv_fwd(warmup))
+    for i in range(remaining):
+        prog += [Op("F", warmup + i)] + _comm(send_fwd(warmup + i), recv_bwd(i))
+        prog += backward_and_send(i, None if i == remaining - 1 else warmup + i + 1)
+    for mb in range(remaining, m):
+        prog += _comm(recv_bwd(mb)) + backward_and_send(mb, None)
+    return prog
+
+
+def _program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
+    """Megatron's interleaved schedule as ``schedules_interleaved.py`` posts it: one combined
+    exchange after every pass, activations travelling the ring p-1 -> 0 between chunks."""
+    total = m * v
+    warmup = num_warmup_microbatches("interleaved", p, r, m, v)
+    fwd, bwd = interleaved_forward_order(p, m, v), interleaved_backward_order(p, m, v)
+    prev, nxt = (r - 1) % p, (r + 1) % p
+
+    def first_virtual(c):
+        return r == 0 and c == 0
+
+    def last_virtual(c):
+        return r == p - 1 and c == v - 1
+
+    def fwd_send(k):
+        mb, c = fwd[k]
+        return None if last_virtual(c) else Msg("fwd", True, r, nxt, mb, c + 1 if r == p - 1 else c)
+
+    def bwd_send(k):
+        mb, c = bwd[k]
+        return None if first_virtual(c) else Msg("bwd", True, r, prev, mb, c - 1 if r == 0 else c)
+
+    def fwd_recv(k):
+        return None if k >= total or first_virtual(fwd[k][1]) else Msg("fwd", False, prev, r, *fwd[k])
+
+    def bwd_recv(k):
+        return None if k >= total or last_virtual(bwd[k][1]) else Msg("bwd", False, nxt, r, *bwd[k])
+
+    prog = _comm(fwd_recv(0))
+    for k in range(warmup):
+        prog.append(Op("F", *fwd[k]))
+        if k == warmup - 1 and warmup < total:
+            prog += _comm(fwd_send(k), fwd_recv(k + 1), bwd_recv(0))
+        else:
+            prog += _comm(fwd_send(k), fwd_recv(k + 1))
+    if warmup == total:
+        prog += _comm(bwd_recv(0))
+    for k in range(total - warmup):
+        fk = k + warmup
+        prog += [Op("F", *fwd[fk]), Op("B", *bwd[k])]
+        prog += _comm(fwd_send(fk), bwd_send(k), fwd_recv(fk + 1), bwd_recv(k + 1))
+    for k in range(total - warmup, total):
+        prog.append(Op("B", *bwd[k]))
+        prog += _comm(bwd_send(k), bwd_recv(k + 1))
+    return prog
+
+
+def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1) -> list[Op]:
+    """The ops stage r runs in one step; its compute ops equal ``schedule_table``."""
+    schedule_table(schedule, p, r, m, v)  # validates the arguments with the trainer's rules
+    if schedule == "interleaved" and p > 1:
+        return _program_interleaved(p, r, m, v)
+    return _program_flat("1f1b" if schedule == "interleaved" else schedule, p, r, m)
+
+
+# ---------------------------------------------------------------------------------------
+# durations and the simulation
+# ---------------------------------------------------------------------------------------
+@dataclass
+class PipelineTimes:
+    """Durations in seconds. ``fwd``/``bwd``/``wgrad`` are (p, m): one microbatch's forward,
+    input-grad backward and weight-grad backward on a stage, summed over its virtual chunks
+    (a chunk pass takes 1/v of it). Schedules without a separate W run B + W as one pass.
+    ``latency_s`` is (p, p): a message src -> dst completes this long after both sides posted.
+    ``overhead_s`` is host time after every op (launch, bookkeeping).
+    ``latency_samples`` (optional, seconds): measured transfer times; when given, ``simulate``
+    with an ``rng`` draws each message's latency from them instead of ``latency_s``, because a
+    few slow transfers on the critical path lengthen a step more than the median suggests."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    wgrad: np.ndarray
+    latency_s: np.ndarray
+    overhead_s: float = 0.0
+    latency_samples: np.ndarray | None = None
+
+    def __post_init__(self):
+        self.fwd, self.bwd, self.wgrad = (np.asarray(a, dtype=float) for a in (self.fwd, self.bwd, self.wgrad))
+        if self.fwd.ndim != 2 or self.bwd.shape != self.fwd.shape or self.wgrad.shape != self.fwd.shape:
+            raise ValueError(
+                f"fwd/bwd/wgrad must share one (p, m) shape, got {self.fwd.shape}, {self.bwd.shape}, {self.wgrad.shape}"
+            )
+        p = self.fwd.shape[0]
+        lat = np.asarray(self.latency_s, dtype=float)
+        self.latency_s = np.full((p, p), float(lat)) if lat.ndim == 0 else lat
+        if self.latency_s.shape != (p, p):
+            raise ValueError(f"latency_s must be a scalar or ({p}, {p}), got shape {self.latency_s.shape}")
+        for name in ("fwd", "bwd", "wgrad", "latency_s"):
+            if np.any(getattr(self, name) < 0) or not np.all(np.isfinite(getattr(self, name))):
+                raise ValueError(f"PipelineTimes.{name} must be finite and >= 0")
+        if self.latency_samples is not None:
+            self.latency_samples = np.asarray(self.latency_samples, dtype=float).ravel()
+            if not self.latency_samples.size or np.any(self.latency_samples < 0):
+                raise ValueError("latency_samples must be a non-empty array of times >= 0")
+        if self.overhead_s < 0:
+            raise ValueError(f"overhead_s must be >= 0, got {self.overhead_s}")
+
+    @property
+    def p(self) -> int:
+        return self.fwd.shape[0]
+
+    @property
+    def m(self) -> int:
+        return self.fwd.shape[1]
+
+    @classmethod
+    def uniform(cls, p: int, m: int, t_f: float, t_b: float, t_w: float = 0.0,
+                latency_s: float = 0.0, overhead_s: float = 0.0) -> "PipelineTimes":
+        full = lambda t: np.full((p, m), float(t))  # noqa: E731
+        return cls(full(t_f), full(t_b), full(t_w), latency_s, overhead_s)
+
+
+@dataclass
+class Timeline:
+    """The simulated step: ``ops`` (stage, kind, mb, chunk, start_s, end_s, transfer_s) and
+    per-stage totals in ``stages`` (stage, compute_s, transfer_s, bubble_s)."""
+
+    schedule: str
+    vpp: int
+    makespan_s: float
+    ops: pd.DataFrame
+    stages: pd.DataFrame = field(repr=False)
+
+
+def _duration(op: Op, times: PipelineTimes, stage: int, split_w: bool, v: int) -> float:
+    if op.kind == "F":
+        return times.fwd[stage, op.mb] / v
+    if op.kind == "W":
+        return times.wgrad[stage, op.mb] / v
+    extra = 0.0 if split_w else times.wgrad[stage, op.mb]
+    return (times.bwd[stage, op.mb] + extra) / v
+
+
+SEND_MODES = ("rendezvous", "eager")
+
+
+def _exchange_end(msgs: tuple, start: float, partner: list, latency, sends: str) -> float:
+    if sends == "rendezvous":
+        return max(max(start, t) + latency(msg) for t, msg in zip(partner, msgs))
+    # eager: a send is done once posted; a recv when the message has landed.
+    return max(
+        start if msg.is_send else max(start, t + latency(msg))
+        for t, msg in zip(partner, msgs)
+    )
+
+
+def _latency_model(times: PipelineTimes, rng):
+    """msg -> latency; a drawn latency is kept per message so both sides see the same one."""
+    if rng is None or times.latency_samples is None:
+        return lambda msg: times.latency_s[msg.src, msg.dst]
+    drawn: dict = {}
+    samples = times.latency_samples
+
+    def latency(msg):
+        if msg.key not in drawn:
+            drawn[msg.key] = samples[rng.integers(samples.size)]
+        return drawn[msg.key]
+
+    return latency
+
+
+def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "rendezvous",
+             rng: np.random.Generator | None = None) -> Timeline:
+    """Run every stage's program against the others; raises ValueError on a deadlock (a
+    program set that could not run in the trainer either). With ``rng`` and
+    ``times.latency_samples``, message latencies are drawn (one replication)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
+    if sends not in SEND_MODES:
+        raise ValueError(f"sends={sends!r} is not one of {SEND_MODES}")
+    p, m, v = times.p, times.m, vpp
+    programs = [stage_program(schedule, p, r, m, v) for r in range(p)]
+    split_w = schedule == "zb-h1"
+    latency = _latency_model(times, rng)
+    pos, clock = [0] * p, [0.0] * p
+    posted: dict[tuple, float] = {}  # (message key, is_send) -> post time
+    pending: dict[int, tuple] = {}  # stage -> (messages, post time) of its open exchange
+    rows = []
+    while any(pos[s] < len(programs[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while pos[s] < len(programs[s]):
+                op = programs[s][pos[s]]
+                start = clock[s]
+                if op.kind in ("F", "B", "W"):
+                    end = start + _duration(op, times, s, split_w, v)
+                    rows.append((s, op.kind, op.mb, op.chunk, start, end, 0.0))
+                else:
+                    if op.kind in ("comm", "post") and s not in pending:
+                        pending[s] = (op.msgs, start)
+                        for msg in op.msgs:
+                            posted.setdefault((msg.key, msg.is_send), start)
+                    if op.kind == "post":
+                        pos[s] += 1
+                        moved = True
+                        continue
+                    msgs, t_post = pending[s]
+                    partner = [posted.get((msg.key, not msg.is_send)) for msg in msgs]
+                    if sends == "eager":  # sends never wait for the receiver
+                        partner = [t_post if msg.is_send else t for t, msg in zip(partner, msgs)]
+                    if any(t is None for t in partner):
+                        break  # blocked until the peers reach their side
+                    end = max(start, _exchange_end(msgs, t_post, partner, latency, sends))
+                    # Moving data = the blocked part after both sides were there; the rest was waiting.
+                    last_match = max(max(t_post, t) for t in partner)
+                    rows.append((s, "comm", -1, 0, t_post, end, max(0.0, end - max(start, last_match))))
+                    del pending[s]
+                clock[s] = end + times.overhead_s
+                pos[s] += 1
+                moved = True
+        if not moved:
+            stuck = {s: programs[s][pos[s]] for s in range(p) if pos[s] < len(programs[s])}
+            raise ValueError(f"{schedule}: the stage programs deadlock at {stuck}")
+    ops = pd.DataFrame(rows, columns=["stage", "kind", "mb", "chunk", "start_s", "end_s", "transfer_s"])
+    makespan = float(ops["end_s"].max()) if len(ops) else 0.0
+    compute = ops[ops["kind"] != "comm"].assign(d=lambda d: d.end_s - d.start_s).groupby("stage")["d"].sum()
+    transfer = ops.groupby("stage")["transfer_s"].sum()
+    stages = pd.DataFrame({"stage": range(p)})
+    stages["compute_s"] = stages["stage"].map(compute).fillna(0.0)
+    stages["transfer_s"] = stages["stage"].map(transfer).fillna(0.0)
+    stages["bubble_s"] = makespan - stages["compute_s"] - stages["transfer_s"]
+    return Timeline(schedule, v, makespan, ops, stages)

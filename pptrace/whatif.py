@@ -1,0 +1,395 @@
+"""What-if: replay a measured run under another schedule, vpp, microbatch count, without its
+straggler or with free p2p, and predict the step time.
+
+Flow: measured durations from the Run (per stage and microbatch: forward, backward, weight
+grad; per link p2p latency; host overhead per op; the fixed part of the step outside the
+pipeline window) -> ``simulate.simulate`` -> a JSON-ready dict. The measured schedule is
+replayed too (``replay``): its error against the measured step says how far to trust the
+prediction.
+"""
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pandas as pd
+
+from .simulate import PipelineTimes, Timeline, simulate
+
+SCHEMA = "pptrace.whatif/1"
+_PIPE_COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight")
+# ZB-H1 paper's working assumption (T_W ~ T_B) when a run never split its backward.
+DEFAULT_WGRAD_FRACTION = 0.5
+REPLICATIONS = 33
+OUTLIER_STEP = 0.25  # relative distance from the median step beyond which a step is left out
+SEED = 0
+
+
+@dataclass
+class Measured:
+    """What the simulation needs from a run, plus the measured step for comparison."""
+
+    schedule: str
+    vpp: int
+    times: PipelineTimes
+    step_time_s: float
+    window_s: float
+    fixed_s: float  # step time outside the pipeline window: grad-norm all-reduce, optimizer, ...
+    split_backward: bool  # the run traced B and W separately (ZB-H1)
+    wgrad_fraction: float | None  # W / (B + W) from the run's metadata (sleep mode), if any
+    notes: list = field(default_factory=list)
+
+
+def _main_events(run) -> pd.DataFrame:
+    ev = run.events
+    keep = (ev["lane"] == "main").to_numpy() & ev["step"].isin(run.steps).to_numpy()
+    return ev.loc[keep, ["rank", "step", "category", "kind", "op", "mb", "chunk", "start_ns", "end_ns", "dur_ns"]]
+
+
+def _typical_steps(main: pd.DataFrame, notes: list) -> pd.Series:
+    """Step times (median over ranks) of the steps that look like the run: a step far off the
+    median is a hiccup of the machine (a stalled process, a page-cache flush), not the
+    schedule, and its slow transfers would poison the latency distribution."""
+    steps = main[main["category"] == "step"].groupby("step")["dur_ns"].median()
+    median = steps.median()
+    typical = steps[(steps - median).abs() <= OUTLIER_STEP * median]
+    for step, ns in steps.drop(typical.index).items():
+        notes.append(f"step {step} left out: {ns / 1e6:.1f} ms against a median of {median / 1e6:.1f} ms")
+    return typical
+
+
+def _pipeline_ops(main: pd.DataFrame) -> pd.DataFrame:
+    compute = (main["category"] == "compute") & main["op"].isin(_PIPE_COMPUTE)
+    p2p = (main["category"] == "p2p") & (main["kind"] == "pp")
+    return main[(compute | p2p).to_numpy()]
+
+
+def _stage_matrix(ops: pd.DataFrame, op_names, stage_of, p: int, m: int) -> np.ndarray:
+    """(p, m) seconds: per rank, step, microbatch the sum over chunks; median over steps; the
+    slowest rank of a stage (its tp/dp peers wait for it at the next collective)."""
+    sel = ops[ops["op"].isin(op_names).to_numpy()]
+    out = np.zeros((p, m))
+    if sel.empty:
+        return out
+    per_step = sel.groupby(["rank", "step", "mb"], observed=True)["dur_ns"].sum()
+    per_mb = per_step.groupby(level=["rank", "mb"]).median().reset_index()
+    per_mb["stage"] = per_mb["rank"].map(stage_of)
+    table = per_mb.groupby(["stage", "mb"])["dur_ns"].max()
+    for (stage, mb), ns in table.items():
+        if 0 <= mb < m:
+            out[int(stage), int(mb)] = ns / 1e9
+    return out
+
+
+def _exchange_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
+    """One latency observation per p2p exchange: its end minus the moment its last message had
+    both sides posted. The ranges of one combined exchange all close when its last direction
+    completes, so a pair's own recv_end - max(starts) would count the wait for the *other*
+    directions as transfer; the exchange's tail after its last match does not. Exchanges with
+    compute inside (ZB-H1's W's between post and wait) are left out: their tail is the W's."""
+    pairs = run.pairs
+    pairs = pairs[(pairs["kind"] == "pp").to_numpy() & pairs["step"].isin(steps).to_numpy()]
+    if pairs.empty:
+        return pd.DataFrame(columns=["rank", "link", "latency_ns"])
+    match = np.maximum(pairs["send_start_ns"], pairs["recv_start_ns"]).to_numpy()
+    link = list(zip(pairs["src"].map(stage_of), pairs["dst"].map(stage_of)))
+    sides = pd.concat([
+        pd.DataFrame({"rank": pairs["src"].to_numpy(), "start": pairs["send_start_ns"].to_numpy(),
+                      "end": pairs["send_end_ns"].to_numpy(), "match": match, "link": link}),
+        pd.DataFrame({"rank": pairs["dst"].to_numpy(), "start": pairs["recv_start_ns"].to_numpy(),
+                      "end": pairs["recv_end_ns"].to_numpy(), "match": match, "link": link}),
+    ]).sort_values(["rank", "start"], kind="stable")
+    out = []
+    compute = ops[ops["category"] == "compute"]
+    for rank, g in sides.groupby("rank"):
+        starts = np.sort(compute.loc[compute["rank"] == rank, "start_ns"].to_numpy())
+        start, end = g["start"].to_numpy(), g["end"].to_numpy()
+        reach = np.maximum.accumulate(end)
+        exchange = np.concatenate([[0], np.cumsum(start[1:] > reach[:-1])])
+        for _, ex in g.assign(ex=exchange).groupby("ex"):
+            lo, hi = ex["start"].min(), ex["end"].max()
+            if np.searchsorted(starts, hi) > np.searchsorted(starts, lo):
+                continue
+            last = ex.iloc[int(ex["match"].to_numpy().argmax())]
+            out.append((rank, last["link"], max(0, hi - int(last["match"]))))
+    return pd.DataFrame(out, columns=["rank", "link", "latency_ns"])
+
+
+def _latency(observed: pd.DataFrame, p: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per link median latency, and all observations (the empirical distribution)."""
+    lat = np.zeros((p, p))
+    if observed.empty:
+        return lat, None
+    seconds = observed["latency_ns"].to_numpy(dtype=float) / 1e9
+    lat[:] = float(np.median(seconds))  # links the run never used (e.g. interleaved's wrap)
+    for (s, d), value in observed.groupby("link")["latency_ns"].median().items():
+        lat[int(s), int(d)] = value / 1e9
+    return lat, seconds
+
+
+def _overhead(ops: pd.DataFrame) -> float:
+    """Median host gap between consecutive pipeline ops of a rank (overlapping p2p ranges of
+    one combined exchange count as one op)."""
+    gaps = []
+    for _, g in ops.sort_values("start_ns").groupby(["rank", "step"], observed=True):
+        start, end = g["start_ns"].to_numpy(), g["end_ns"].to_numpy()
+        reach = np.maximum.accumulate(end)
+        gap = start[1:] - reach[:-1]
+        gaps.append(gap[gap > 0])
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    return float(np.median(gaps)) / 1e9 if gaps.size else 0.0
+
+
+def _wgrad_fraction(run) -> float | None:
+    for meta in run.meta.values():
+        block = meta.get("pptrace") or {}
+        b, w = block.get("bwd_ms"), block.get("wgrad_ms")
+        if block.get("compute") == "sleep" and isinstance(b, (int, float)) and isinstance(w, (int, float)) and b + w > 0:
+            return float(w) / float(b + w)
+    return None
+
+
+def measure(run) -> Measured:
+    """Durations, latencies and the measured step of a run (medians over its profiled steps)."""
+    if not run.schedule or not run.microbatches:
+        raise ValueError(
+            f"{run.path}: the traces do not say which pipeline schedule/microbatches ran "
+            "(no pptrace block); what-if needs a run recorded with pptrace.profile(schedule=..., microbatches=...)"
+        )
+    p, m, v = run.layout.pp, int(run.microbatches), int(run.vpp or 1)
+    stage_of = {r: run.layout.coords(r).pp for r in run.ranks}
+    main = _main_events(run)
+    notes = []
+    steps = _typical_steps(main, notes)
+    main = main[main["step"].isin(steps.index).to_numpy()]
+    ops = _pipeline_ops(main)
+    if ops.empty:
+        raise ValueError(f"{run.path}: no compute:fwd/bwd ranges in the profiled steps; nothing to replay")
+    split = bool((ops["op"] == "bwd_input").any())
+    fwd = _stage_matrix(ops, ["fwd"], stage_of, p, m)
+    bwd = _stage_matrix(ops, ["bwd_input"] if split else ["bwd"], stage_of, p, m)
+    wgrad = _stage_matrix(ops, ["bwd_weight"], stage_of, p, m)
+    present = sorted(set(ops["rank"].map(stage_of)))
+    for stage in sorted(set(range(p)) - set(present)):
+        # a stage without a usable trace: assume it was like the others (partial input)
+        notes.append(f"stage {stage} has no traced passes; assumed the median of the other stages")
+        for a in (fwd, bwd, wgrad):
+            a[stage] = np.median(a[present], axis=0)
+    latency, samples = _latency(_exchange_latencies(run, steps.index, ops, stage_of), p)
+    times = PipelineTimes(fwd, bwd, wgrad, latency, _overhead(ops), samples)
+
+    window = ops.groupby("step")["end_ns"].max() - ops.groupby("step")["start_ns"].min()
+    step_time = float(steps.median()) / 1e9
+    fixed = float((steps - window.reindex(steps.index)).median()) / 1e9
+    if len(steps) < 2:
+        notes.append("only one profiled step: measured times carry that step's noise")
+    return Measured(
+        schedule=run.schedule, vpp=v, times=times, step_time_s=step_time,
+        window_s=float(window.median()) / 1e9, fixed_s=max(fixed, 0.0),
+        split_backward=split, wgrad_fraction=_wgrad_fraction(run), notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# overrides
+# ---------------------------------------------------------------------------------------
+def _target(measured: Measured, m: int, schedule, vpp, microbatches) -> tuple[str, int, int]:
+    if schedule is None:
+        schedule = "interleaved" if vpp is not None and vpp > 1 else measured.schedule
+    if vpp is None:
+        vpp = (measured.vpp if measured.vpp > 1 else 2) if schedule == "interleaved" else 1
+    if schedule != "interleaved" and vpp != 1:
+        raise ValueError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
+    return schedule, vpp, int(microbatches or m)
+
+
+def _resize(a: np.ndarray, m: int) -> np.ndarray:
+    """Per-stage medians for every microbatch when the count changes."""
+    if a.shape[1] == m:
+        return a
+    return np.repeat(np.median(a, axis=1, keepdims=True), m, axis=1)
+
+
+def _drop_straggler(times: PipelineTimes) -> tuple[PipelineTimes, int | None]:
+    """Replace the slowest stage's times by its peers' median (elementwise)."""
+    if times.p < 2:
+        return times, None
+    total = times.fwd.sum(1) + times.bwd.sum(1) + times.wgrad.sum(1)
+    slow = int(np.argmax(total))
+    peers = [s for s in range(times.p) if s != slow]
+    arrays = []
+    for a in (times.fwd, times.bwd, times.wgrad):
+        a = a.copy()
+        a[slow] = np.median(a[peers], axis=0)
+        arrays.append(a)
+    return replace(times, fwd=arrays[0], bwd=arrays[1], wgrad=arrays[2]), slow
+
+
+def _for_schedule(measured: Measured, times: PipelineTimes, schedule: str, wgrad_fraction, notes) -> PipelineTimes:
+    """Split or join B and W for the target schedule."""
+    if schedule != "zb-h1" or measured.split_backward:
+        return times
+    fraction = wgrad_fraction if wgrad_fraction is not None else measured.wgrad_fraction
+    if wgrad_fraction is None and fraction is not None:
+        notes.append(f"W = {fraction:.0%} of the measured backward, from the run's sleep-mode settings")
+    if fraction is None:
+        fraction = DEFAULT_WGRAD_FRACTION
+        notes.append(f"the run never split its backward; assumed W = {fraction:.0%} of it for ZB-H1")
+    full = times.bwd + times.wgrad
+    return replace(times, bwd=full * (1 - fraction), wgrad=full * fraction)
+
+
+# ---------------------------------------------------------------------------------------
+# the result
+# ---------------------------------------------------------------------------------------
+def _stages(timeline: Timeline) -> list[dict]:
+    span = timeline.makespan_s or 1.0
+    return [
+        {"stage": int(r.stage), "bubble_s": float(r.bubble_s), "compute_s": float(r.compute_s),
+         "transfer_s": float(r.transfer_s), "bubble_fraction": float(r.bubble_s) / span}
+        for r in timeline.stages.itertuples()
+    ]
+
+
+def _ops(timeline: Timeline) -> dict:
+    cols = ["stage", "kind", "mb", "chunk", "start_s", "end_s"]
+    return {"columns": cols, "rows": timeline.ops[cols].to_numpy().tolist()}
+
+
+def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int) -> Timeline:
+    """The median-makespan timeline of n simulations with drawn latencies (one if nothing
+    is random)."""
+    if times.latency_samples is None or n <= 1:
+        return simulate(schedule, times, v, sends=sends)
+    rng = np.random.default_rng(SEED)
+    runs = sorted((simulate(schedule, times, v, sends=sends, rng=rng) for _ in range(n)),
+                  key=lambda t: t.makespan_s)
+    return runs[len(runs) // 2]
+
+
+def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=False, p2p_free=False,
+           wgrad_fraction=None, sends="rendezvous", replications=REPLICATIONS) -> dict:
+    """Predict the step time of ``run`` under the given changes (None = as measured).
+
+    Returns a JSON-ready dict: ``measured`` (step_time_s, schedule, ...), ``replay`` (the
+    measured schedule simulated with the measured times, and its error), ``predicted``
+    (step_time_s, stages[] {stage, bubble_s, ...}, timeline), ``speedup`` and ``notes``.
+    Raises ValueError for impossible changes (interleaved with microbatches % pp != 0, ...).
+    Message latencies are drawn from the run's measured transfers in ``replications``
+    simulations (fixed seed); the median one is reported.
+    """
+    measured = measure(run)
+    times, notes = measured.times, list(measured.notes)
+    target, v, m = _target(measured, times.m, schedule, vpp, microbatches)
+
+    replay = _replicated(measured.schedule, times, measured.vpp, sends, replications)
+    replay_step = replay.makespan_s + measured.fixed_s
+
+    straggler = None
+    if no_straggler:
+        times, straggler = _drop_straggler(times)
+    if p2p_free:
+        times = replace(times, latency_s=0.0, latency_samples=None)
+    times = replace(times, fwd=_resize(times.fwd, m), bwd=_resize(times.bwd, m), wgrad=_resize(times.wgrad, m))
+    times = _for_schedule(measured, times, target, wgrad_fraction, notes)
+    if measured.split_backward and target != "zb-h1":
+        notes.append("B and W measured separately run back to back as one backward in this schedule")
+    predicted = _replicated(target, times, v, sends, replications)
+    predicted_step = predicted.makespan_s + measured.fixed_s
+    return {
+        "schema": SCHEMA,
+        "measured": {
+            "schedule": measured.schedule, "pp": times.p, "microbatches": measured.times.m,
+            "vpp": measured.vpp, "step_time_s": measured.step_time_s,
+            "window_s": measured.window_s, "fixed_s": measured.fixed_s, "steps": list(run.steps),
+        },
+        "model": {
+            "t_fwd_s": measured.times.fwd.mean(1).tolist(),
+            "t_bwd_s": measured.times.bwd.mean(1).tolist(),
+            "t_wgrad_s": measured.times.wgrad.mean(1).tolist(),
+            "latency_s": float(np.median(measured.times.latency_s)),
+            "overhead_s": measured.times.overhead_s,
+            "sends": sends,
+        },
+        "replay": {
+            "step_time_s": replay_step,
+            "error_fraction": replay_step / measured.step_time_s - 1 if measured.step_time_s else None,
+        },
+        "predicted": {
+            "schedule": target, "microbatches": m, "vpp": v,
+            "no_straggler": bool(no_straggler), "straggler_stage": straggler,
+            "p2p_free": bool(p2p_free),
+            "step_time_s": predicted_step, "window_s": predicted.makespan_s,
+            "stages": _stages(predicted), "timeline": _ops(predicted),
+        },
+        "speedup": measured.step_time_s / predicted_step if predicted_step > 0 else None,
+        "notes": notes,
+    }
+
+
+def print_whatif(result: dict, console) -> None:
+    from rich.table import Table
+
+    meas, pred, rep = result["measured"], result["predicted"], result["replay"]
+
+    def label(d):
+        text = f"{d['schedule']} m={d['microbatches']}" + (f" v={d['vpp']}" if d["vpp"] > 1 else "")
+        if d.get("no_straggler"):
+            text += " no-straggler"
+        if d.get("p2p_free"):
+            text += " p2p-free"
+        return text
+
+    table = Table(title="what-if", show_edge=False)
+    for col in ("", "configuration", "step time", "pipeline window"):
+        table.add_column(col, justify="left" if col in ("", "configuration") else "right")
+    table.add_row("measured", label(meas), f"{meas['step_time_s'] * 1e3:.1f} ms", f"{meas['window_s'] * 1e3:.1f} ms")
+    table.add_row("replayed", label(meas), f"{rep['step_time_s'] * 1e3:.1f} ms",
+                  f"{(rep['error_fraction'] or 0) * 100:+.1f}% vs measured")
+    table.add_row("predicted", label(pred), f"{pred['step_time_s'] * 1e3:.1f} ms", f"{pred['window_s'] * 1e3:.1f} ms")
+    console.print(table)
+    stages = Table(show_edge=False)
+    for col in ("stage", "compute", "transfer", "bubble", "bubble %"):
+        stages.add_column(col, justify="right")
+    for s in pred["stages"]:
+        stages.add_row(str(s["stage"]), f"{s['compute_s'] * 1e3:.1f} ms", f"{s['transfer_s'] * 1e3:.1f} ms",
+                       f"{s['bubble_s'] * 1e3:.1f} ms", f"{s['bubble_fraction'] * 100:.1f}")
+    console.print(stages)
+    speedup = result.get("speedup")
+    if speedup:
+        console.print(f"predicted speedup: {speedup:.2f}x")
+    for note in result.get("notes", []):
+        console.print(f"note: {note}")
+
+
+def write_simulated_trace(result: dict, out_path) -> Path:
+    """The predicted timeline as a Chrome/Perfetto trace: one process per stage, compute and
+    p2p on separate threads. ``.gz`` paths are gzip-compressed."""
+    pred = result["predicted"]
+    cols = pred["timeline"]["columns"]
+    events = []
+    for s in range(result["measured"]["pp"]):
+        events.append({"ph": "M", "name": "process_name", "pid": s, "tid": 0, "args": {"name": f"stage {s} (simulated)"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0, "args": {"sort_index": s}})
+        events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": "compute"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 1, "args": {"name": "p2p"}})
+    names = {"F": "compute:fwd", "B": "compute:bwd_input" if pred["schedule"] == "zb-h1" else "compute:bwd",
+             "W": "compute:bwd_weight", "comm": "pp:exchange"}
+    for row in pred["timeline"]["rows"]:
+        r = dict(zip(cols, row))
+        name = names[r["kind"]]
+        if r["kind"] != "comm":
+            name += f" mb={int(r['mb'])}" + (f" chunk={int(r['chunk'])}" if pred["vpp"] > 1 else "")
+        events.append({
+            "ph": "X", "name": name, "cat": "simulated", "pid": int(r["stage"]), "tid": int(r["kind"] == "comm"),
+            "ts": r["start_s"] * 1e6, "dur": (r["end_s"] - r["start_s"]) * 1e6,
+        })
+    doc = {"traceEvents": events, "displayTimeUnit": "ms",
+           "pptrace_whatif": {k: v for k, v in pred.items() if k != "timeline"}}
+    out = Path(out_path)
+    blob = orjson.dumps(doc)
+    out.write_bytes(gzip.compress(blob) if out.suffix == ".gz" else blob)
+    return out
