@@ -1,0 +1,110 @@
+"""The step partition of DESIGN.md contract 3: each rank's step wall time W split into
+compute, <dim>_exposed, pp_transfer, pp_bubble and other — summing exactly to W — plus
+<dim>_hidden, the part of each dimension's communication that ran under compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from .activity import DIMS, Activity, gpu_p2p_kernels, rank_activity
+from .intervals import Intervals, partition
+from .p2p import match_pairs, split_by_rank
+from .runview import RunView
+
+PARTS = ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "pp_transfer", "pp_bubble", "other")
+#: pipeline work: what opens and closes a step's pipeline window.
+PIPELINE_COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight", "loss")
+
+
+@dataclass(frozen=True)
+class StepPartition:
+    rank: int
+    step: int
+    start_ns: int
+    end_ns: int
+    parts: dict           # part -> Intervals (disjoint, together exactly [start, end))
+    hidden: dict          # dim -> ns of that dim's communication under compute
+
+    @property
+    def wall_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+def step_windows(view: RunView) -> dict:
+    """(rank, step) -> (start, end) of ProfilerStep#N on that rank's main thread."""
+    ev = view.events
+    marks = ev[(ev["category"] == "step") & (ev["lane_kind"] == "host")]
+    if "lane" in marks.columns:
+        main = marks[marks["lane"].astype(str) == "main"]
+        marks = main if not main.empty else marks
+    if view.steps:
+        marks = marks[marks["step"].isin(list(view.steps))]
+    return {(int(r.rank), int(r.step)): (int(r.start_ns), int(r.end_ns)) for r in marks.itertuples()}
+
+
+def pipeline_windows(view: RunView) -> dict:
+    """step -> (first pipeline op start, last pipeline op end) across all stages."""
+    if view.layout.pp <= 1:
+        return {}
+    ev = view.events
+    host = ev[(ev["lane_kind"] == "host") & ~ev["gpu_annotation"] & (ev["step"] >= 0)]
+    ops = host[(host["category"] == "p2p") | ((host["category"] == "compute") & host["op"].isin(PIPELINE_COMPUTE))]
+    if ops.empty:
+        return {}
+    g = ops.groupby("step").agg(start=("start_ns", "min"), end=("end_ns", "max"))
+    return {int(s): (int(row.start), int(row.end)) for s, row in g.iterrows()}
+
+
+def activities(view: RunView) -> dict:
+    """rank -> Activity, computed once per run."""
+    return {int(r): rank_activity(grp, int(r), view.layout) for r, grp in view.events.groupby("rank", observed=True)}
+
+
+def partition_step(act: Activity, step: int, window: tuple, pipe: tuple | None,
+                   p2p_wait: Intervals, p2p_transfer: Intervals) -> StepPartition:
+    start, end = window
+    pipe_iv = Intervals.span(*pipe) if pipe else Intervals.empty()
+    order = [("compute", act.compute)]
+    for dim in DIMS:
+        # The step-final collective blocks while other stages still run the pipeline: that is
+        # bubble (contract 3); after the pipeline window it is this dimension's again.
+        order.append((f"{dim}_exposed", act.comm[dim] | (act.step_final[dim] - pipe_iv)))
+    order += [("pp_transfer", p2p_transfer), ("pp_bubble", p2p_wait | pipe_iv)]
+    parts = partition((start, end), order, rest="other")
+    hidden = {
+        dim: ((act.comm[dim] | act.step_final[dim]).clip(start, end) & act.compute).total for dim in DIMS
+    }
+    return StepPartition(act.rank, step, start, end, parts, hidden)
+
+
+def partition_run(view: RunView, acts: dict | None = None, pairs=None) -> list[StepPartition]:
+    """Every (rank, profiled step) partition of the run."""
+    acts = acts if acts is not None else activities(view)
+    if pairs is None:
+        pairs = match_pairs(view)
+    split = split_by_rank(*pairs)
+    windows = pipeline_windows(view)
+    out = []
+    for (rank, step), window in sorted(step_windows(view).items()):
+        act = acts.get(rank)
+        if act is None:
+            continue
+        wait, transfer = split.get(rank, (Intervals.empty(), Intervals.empty()))
+        if act.gpu:
+            transfer = transfer | (gpu_p2p_kernels(view.events[view.events["rank"] == rank]) - wait)
+        out.append(partition_step(act, step, window, windows.get(step), wait, transfer))
+    return out
+
+
+def breakdown_table(partitions: list[StepPartition]) -> pd.DataFrame:
+    """One row per (rank, step): time_s, every part in seconds, and hidden_<dim> seconds."""
+    rows = []
+    for p in partitions:
+        row = {"rank": p.rank, "step": p.step, "time_s": p.wall_ns / 1e9}
+        row.update({name: p.parts[name].total / 1e9 for name in PARTS})
+        row.update({f"hidden_{d}": p.hidden[d] / 1e9 for d in DIMS})
+        rows.append(row)
+    columns = ["rank", "step", "time_s", *PARTS, *(f"hidden_{d}" for d in DIMS)]
+    return pd.DataFrame(rows, columns=columns)

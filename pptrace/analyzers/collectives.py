@@ -1,0 +1,87 @@
+"""Collectives by parallel dimension: how many, how big, how long in progress, how much of
+that exposed vs hidden under compute, and how much of it is waiting for late ranks.
+
+A rank's *wait* in one collective instance is the time from its own arrival to the last
+rank's arrival (it could not finish before everyone came); the rest until it leaves is the
+*transfer*. The step-final grad-norm all-reduce is left out of wait/transfer: its wait is
+the pipeline draining (counted as pp_bubble in the step partition), not a collective cost.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ..match import match_collectives
+from .activity import DIMS
+
+COLUMNS = ("dim", "count", "bytes", "time_s", "exposed_s", "hidden_s", "wait_s", "transfer_s", "ops")
+
+
+def instances(view) -> pd.DataFrame:
+    """Collective instances (pptrace.match layout), from the loader or matched here."""
+    if view.collectives is not None and "arrive_ns" in view.collectives.columns:
+        return view.collectives
+    table, _ = match_collectives(view.events, view.layout, view.ranks)
+    return table
+
+
+def instance_waits(inst: pd.DataFrame) -> pd.DataFrame:
+    """Per (instance, rank): wait_ns (last arrival - own arrival), transfer_ns, is_last."""
+    if inst is None or inst.empty:
+        return pd.DataFrame(columns=["instance", "rank", "kind", "name", "step", "wait_ns", "transfer_ns", "late_ns", "is_last", "n"])
+    df = inst[["instance", "rank", "kind", "name", "step", "arrive_ns", "leave_ns"]].copy()
+    g = df.groupby("instance")["arrive_ns"]
+    df["n"] = g.transform("size")
+    last = g.transform("max")
+    df["wait_ns"] = (last - df["arrive_ns"]).astype(np.int64)
+    df["transfer_ns"] = np.maximum(df["leave_ns"] - last, 0).astype(np.int64)
+    # How long the group waited because of this rank alone: last minus second-last arrival.
+    second = g.transform(lambda a: np.sort(a.to_numpy())[-2] if len(a) > 1 else a.iloc[0])
+    df["is_last"] = (df["arrive_ns"] == last) & (df["n"] > 1)
+    df["late_ns"] = np.where(df["is_last"], last - second, 0).astype(np.int64)
+    return df
+
+
+def _step_final(name: str) -> bool:
+    return "what=grad_norm" in name
+
+
+def _dim_of_instance(kind: str, name: str) -> str:
+    if kind in DIMS:
+        return kind
+    return "dp"  # NCCL kernels: the breakdown resolves dims per kernel; here a coarse bucket
+
+
+def collectives_by_dim(view, partitions: list, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per dimension with communication: per rank per step means."""
+    ev = view.events
+    calls = ev[ev["category"].isin([f"comm:{d}" for d in DIMS]) & (ev["lane_kind"] == "host")
+               & ~ev["gpu_annotation"] & (ev["step"] >= 0)]
+    if view.steps:
+        calls = calls[calls["step"].isin(list(view.steps))]
+    n_rank_steps = max(len(partitions), 1)
+    waits = instance_waits(inst if inst is not None else instances(view))
+    if not waits.empty:
+        waits = waits[(waits["n"] > 1) & ~waits["name"].astype(str).map(_step_final)]
+        if view.steps:
+            waits = waits[waits["step"].isin(list(view.steps))]
+        waits = waits.assign(dim=[_dim_of_instance(k, n) for k, n in zip(waits["kind"], waits["name"])])
+    rows = []
+    for dim in DIMS:
+        mine = calls[calls["kind"] == dim]
+        exposed = sum(p.parts[f"{dim}_exposed"].total for p in partitions) / n_rank_steps / 1e9
+        hidden = sum(p.hidden[dim] for p in partitions) / n_rank_steps / 1e9
+        w = waits[waits["dim"] == dim] if not waits.empty else waits
+        if mine.empty and exposed == 0 and hidden == 0 and w.empty:
+            continue
+        rows.append({
+            "dim": dim,
+            "count": len(mine) / n_rank_steps,
+            "bytes": float(mine["bytes"].fillna(0).sum()) / n_rank_steps,
+            "time_s": exposed + hidden,
+            "exposed_s": exposed, "hidden_s": hidden,
+            "wait_s": float(w["wait_ns"].sum()) / n_rank_steps / 1e9 if not w.empty else 0.0,
+            "transfer_s": float(w["transfer_ns"].sum()) / n_rank_steps / 1e9 if not w.empty else 0.0,
+            "ops": {str(op): n / n_rank_steps for op, n in mine["op"].astype(str).value_counts().sort_index().items()},
+        })
+    return pd.DataFrame(rows, columns=list(COLUMNS))

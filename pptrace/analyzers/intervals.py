@@ -1,0 +1,117 @@
+"""Sets of half-open time intervals [start, end) in integer nanoseconds, as sorted disjoint
+numpy arrays. The step partition is a sweep of such sets in priority order, so exactness
+(int64, no floats) is what makes the parts sum to the step time to the nanosecond.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """Disjoint, sorted, non-empty intervals; build with :func:`union` or :meth:`empty`."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def empty(cls) -> "Intervals":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    @classmethod
+    def span(cls, start: int, end: int) -> "Intervals":
+        return union([start], [end])
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def total(self) -> int:
+        return int((self.ends - self.starts).sum())
+
+    def clip(self, start: int, end: int) -> "Intervals":
+        return intersect(self, Intervals.span(start, end))
+
+    def __or__(self, other: "Intervals") -> "Intervals":
+        return union(np.concatenate([self.starts, other.starts]),
+                     np.concatenate([self.ends, other.ends]))
+
+    def __and__(self, other: "Intervals") -> "Intervals":
+        return intersect(self, other)
+
+    def __sub__(self, other: "Intervals") -> "Intervals":
+        return subtract(self, other)
+
+
+def union(starts, ends) -> Intervals:
+    """Merge possibly overlapping intervals; empty and inverted ones are dropped."""
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    keep = ends > starts
+    starts, ends = starts[keep], ends[keep]
+    if len(starts) == 0:
+        return Intervals.empty()
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)
+    # A new run begins where an interval starts strictly after everything before it ended.
+    new_run = np.ones(len(starts), bool)
+    new_run[1:] = starts[1:] > reach[:-1]
+    run_id = np.cumsum(new_run) - 1
+    out_starts = starts[new_run]
+    out_ends = np.zeros(len(out_starts), np.int64)
+    np.maximum.at(out_ends, run_id, reach)
+    return Intervals(out_starts, out_ends)
+
+
+def _boundaries(a: Intervals, b: Intervals):
+    """Elementary segments between all boundaries, and whether each lies in a / in b."""
+    points = np.unique(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
+    if len(points) < 2:
+        return None
+    lo, hi = points[:-1], points[1:]
+
+    def inside(s: Intervals):
+        if len(s) == 0:
+            return np.zeros(len(lo), bool)
+        idx = np.searchsorted(s.starts, lo, side="right") - 1
+        ok = idx >= 0
+        res = np.zeros(len(lo), bool)
+        res[ok] = lo[ok] < s.ends[idx[ok]]
+        return res
+
+    return lo, hi, inside(a), inside(b)
+
+
+def _select(a: Intervals, b: Intervals, rule) -> Intervals:
+    seg = _boundaries(a, b)
+    if seg is None:
+        return Intervals.empty()
+    lo, hi, in_a, in_b = seg
+    keep = rule(in_a, in_b)
+    return union(lo[keep], hi[keep])
+
+
+def intersect(a: Intervals, b: Intervals) -> Intervals:
+    return _select(a, b, lambda x, y: x & y)
+
+
+def subtract(a: Intervals, b: Intervals) -> Intervals:
+    return _select(a, b, lambda x, y: x & ~y)
+
+
+def partition(window: tuple[int, int], parts: list[tuple[str, Intervals]], rest: str):
+    """Sweep ``parts`` in priority order over ``window``: each part keeps what no earlier part
+    took. Returns {name: Intervals}; ``rest`` gets what nobody took, so the totals sum to the
+    window length exactly."""
+    start, end = window
+    taken = Intervals.empty()
+    out = {}
+    for name, intervals in parts:
+        mine = intervals.clip(start, end) - taken
+        out[name] = (out[name] | mine) if name in out else mine
+        taken = taken | mine
+    out[rest] = Intervals.span(start, end) - taken
+    return out

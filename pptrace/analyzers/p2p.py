@@ -1,0 +1,157 @@
+"""Pipeline p2p: pair every send with its recv, split each side into wait and transfer,
+and summarise per link (src -> dst).
+
+A recv posted before the matching send sits waiting for the peer: that part is bubble,
+not communication (Megatron's p2p timers mix the two). Once both sides have posted, the
+data moves until the first side is done: that is the transfer. A send posted before its
+recv waits the same way, and whatever follows the transfer inside a range is waiting too
+(see split_by_rank).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .intervals import Intervals, union
+from .runview import RunView
+
+_DIRECTION = {"send_fwd": "fwd", "recv_fwd": "fwd", "send_bwd": "bwd", "recv_bwd": "bwd"}
+PAIR_COLUMNS = (
+    "src", "dst", "direction", "mb", "chunk", "step", "bytes", "send_index", "recv_index",
+    "send_start_ns", "send_end_ns", "recv_start_ns", "recv_end_ns", "wait_ns", "transfer_ns",
+)
+
+
+def p2p_events(view: RunView) -> pd.DataFrame:
+    """Host-side pipeline send/recv ranges with their direction and link end points."""
+    ev = view.events
+    sel = ev[(ev["category"] == "p2p") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
+             & ev["op"].isin(list(_DIRECTION)) & ev["peer"].notna()]
+    out = pd.DataFrame({
+        "index": sel.index.to_numpy(),
+        "rank": sel["rank"].to_numpy(np.int64),
+        "is_send": sel["op"].astype(str).str.startswith("send").to_numpy(),
+        "direction": sel["op"].astype(str).map(_DIRECTION).to_numpy(),
+        "peer": sel["peer"].to_numpy(np.int64),
+        "mb": sel["mb"].fillna(-1).to_numpy(np.int64),
+        "chunk": sel["chunk"].fillna(-1).to_numpy(np.int64),
+        "step": sel["step"].to_numpy(np.int64),
+        "bytes": sel["bytes"].fillna(0).to_numpy(np.int64),
+        "start_ns": sel["start_ns"].to_numpy(np.int64),
+        "end_ns": sel["end_ns"].to_numpy(np.int64),
+    })
+    out["src"] = np.where(out["is_send"], out["rank"], out["peer"])
+    out["dst"] = np.where(out["is_send"], out["peer"], out["rank"])
+    return out
+
+
+def match_pairs(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(pairs, unmatched p2p events). The loader's pairs (pptrace.match) when the view has
+    them and they refer to its events; else sends and recvs pair here by (src, dst,
+    direction, mb, chunk) and order of occurrence, the key the trainer's tags are made for."""
+    ev = p2p_events(view).sort_values("start_ns", kind="stable")
+    given = view.pairs
+    if given is not None and {"send_index", "recv_index", "send_start_ns"} <= set(given.columns):
+        given = given[given["kind"] == "pp"] if "kind" in given.columns else given
+        known = set(ev["index"])
+        if set(given["send_index"]) <= known and set(given["recv_index"]) <= known:
+            paired = set(given["send_index"]) | set(given["recv_index"])
+            out = _with_wait_transfer(given.reset_index(drop=True))
+            return out[[c for c in PAIR_COLUMNS if c in out.columns]], ev[~ev["index"].isin(paired)]
+    key = ["src", "dst", "direction", "mb", "chunk"]
+    ev["nth"] = ev.groupby(key + ["is_send"]).cumcount()
+    sends, recvs = ev[ev["is_send"]], ev[~ev["is_send"]]
+    pairs = sends.merge(recvs, on=key + ["nth"], suffixes=("_s", "_r"))
+    paired = set(pairs["index_s"]) | set(pairs["index_r"])
+    unmatched = ev[~ev["index"].isin(paired)]
+    send_start, recv_start = pairs["start_ns_s"].to_numpy(), pairs["start_ns_r"].to_numpy()
+    recv_end = pairs["end_ns_r"].to_numpy()
+    out = pd.DataFrame({
+        "src": pairs["src"], "dst": pairs["dst"], "direction": pairs["direction"],
+        "mb": pairs["mb"], "chunk": pairs["chunk"], "step": pairs["step_r"],
+        "bytes": np.maximum(pairs["bytes_s"], pairs["bytes_r"]),
+        "send_index": pairs["index_s"], "recv_index": pairs["index_r"],
+        "send_start_ns": send_start, "send_end_ns": pairs["end_ns_s"].to_numpy(),
+        "recv_start_ns": recv_start, "recv_end_ns": recv_end,
+    })
+    return _with_wait_transfer(out)[list(PAIR_COLUMNS)].reset_index(drop=True), unmatched
+
+
+def _moving(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """When each pair's data moves: from both posted to the first side done — or, when the
+    send completed before the recv was even posted (an eager send, buffered by the
+    transport), the whole recv, which then only copies."""
+    send_start, send_end = pairs["send_start_ns"].to_numpy(), pairs["send_end_ns"].to_numpy()
+    recv_start, recv_end = pairs["recv_start_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy()
+    t0 = np.maximum(send_start, recv_start)
+    t1 = np.where(send_end <= recv_start, recv_end, np.minimum(send_end, recv_end))
+    return t0, np.maximum(t1, t0)
+
+
+def _with_wait_transfer(pairs: pd.DataFrame) -> pd.DataFrame:
+    """wait_ns: how long the recv was posted before the send; transfer_ns: how long the data
+    moved (see _moving)."""
+    t0, t1 = _moving(pairs)
+    return pairs.assign(wait_ns=np.maximum(pairs["send_start_ns"] - pairs["recv_start_ns"], 0).to_numpy(),
+                        transfer_ns=t1 - t0)
+
+
+def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:
+    """rank -> (wait Intervals, transfer Intervals) over that rank's own p2p ranges.
+
+    A pair moves data from when both sides have posted until the first side completes
+    (a finished recv has its data; a finished send has handed it over). Before that a side
+    waits for its peer; after it, the side that is still inside its range waits for
+    something else — in Megatron's combined ops (send_forward_recv_backward) both ranges
+    last until *both* transfers are done, so a send's range holds the wait for the recv
+    posted with it. Waits are bubble. Unmatched ranges cannot be split and count as
+    transfer (without the peer nothing shows that it was waiting)."""
+    pieces: dict = {}
+
+    def add(rank, kind, s, e):
+        pieces.setdefault(int(rank), {"wait": ([], []), "transfer": ([], [])})
+        pieces[int(rank)][kind][0].append(s)
+        pieces[int(rank)][kind][1].append(e)
+
+    t0, t1 = _moving(pairs)
+    for own in ("send", "recv"):
+        rank = pairs["src" if own == "send" else "dst"].to_numpy()
+        s = pairs[f"{own}_start_ns"].to_numpy()
+        e = pairs[f"{own}_end_ns"].to_numpy()
+        a, b = np.clip(t0, s, e), np.clip(t1, s, e)
+        for r in np.unique(rank):
+            m = rank == r
+            add(r, "wait", s[m], a[m])
+            add(r, "transfer", a[m], b[m])
+            add(r, "wait", b[m], e[m])
+    for r, grp in unmatched.groupby("rank"):
+        add(r, "transfer", grp["start_ns"].to_numpy(), grp["end_ns"].to_numpy())
+    out = {}
+    for r, parts in pieces.items():
+        out[r] = tuple(
+            union(np.concatenate(parts[k][0]) if parts[k][0] else [], np.concatenate(parts[k][1]) if parts[k][1] else [])
+            for k in ("wait", "transfer")
+        )
+    return out
+
+
+def link_table(pairs: pd.DataFrame, steps=None) -> pd.DataFrame:
+    """Per link src -> dst: count, bytes, wait_s, transfer_s, effective bandwidth (bytes over
+    transfer time, the rate once both sides were ready). Totals over the selected steps."""
+    if steps is not None:
+        pairs = pairs[pairs["step"].isin(list(steps))]
+    if pairs.empty:
+        return pd.DataFrame(columns=["src", "dst", "count", "bytes", "wait_s", "transfer_s", "bandwidth_gbps"])
+    g = pairs.groupby(["src", "dst"], sort=True).agg(
+        count=("wait_ns", "size"), bytes=("bytes", "sum"),
+        wait_ns=("wait_ns", "sum"), transfer_ns=("transfer_ns", "sum")).reset_index()
+    g["wait_s"] = g["wait_ns"] / 1e9
+    g["transfer_s"] = g["transfer_ns"] / 1e9
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bw = np.where(g["transfer_ns"] > 0, g["bytes"] / g["transfer_ns"], np.nan)  # bytes/ns == GB/s
+    g["bandwidth_gbps"] = bw
+    return g[["src", "dst", "count", "bytes", "wait_s", "transfer_s", "bandwidth_gbps"]]
+
+
+def empty_split() -> tuple[Intervals, Intervals]:
+    return Intervals.empty(), Intervals.empty()

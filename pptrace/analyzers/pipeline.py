@@ -1,0 +1,147 @@
+"""Per pipeline stage: measured bubble (and its warm-up / steady / cool-down split), per-
+microbatch forward/backward times, and the schedule's theory from those measured times.
+
+Theory (Narayanan et al. 2021; Qi et al. 2023), T = t_f + t_b per microbatch per stage:
+GPipe/1F1B (p-1)T, interleaved (p-1)T/v, ZB-H1 (p-1)(T - t_w). Real stages are rarely
+equal, so the primary theory uses the closed form those come from — a step lasts m rounds
+of the slowest stage plus one fill/drain pass of the others — which reduces to the formulas
+above when stages are balanced:
+    1F1B/GPipe  step = m max(T) + (sum(T) - max(T))
+    interleaved step = m max(T) + (sum(T) - max(T)) / v
+    ZB-H1       step = m max(T) + (sum(T-t_w) - max(T-t_w))
+and a stage's theoretical bubble is step - m T_stage.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+FWD_OPS = ("fwd",)
+BWD_OPS = ("bwd", "bwd_input", "bwd_weight")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def microbatch_times(view) -> pd.DataFrame:
+    """One row per compute range of pipeline work: rank, stage, step, mb, chunk, op, dur_s."""
+    ev = view.events
+    sel = ev[(ev["category"] == "compute") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
+             & ev["op"].isin(FWD_OPS + BWD_OPS) & (ev["step"] >= 0)]
+    if view.steps:
+        sel = sel[sel["step"].isin(list(view.steps))]
+    stage = {r: view.layout.coords(r).pp if r < view.layout.world_size else 0 for r in view.ranks}
+    return pd.DataFrame({
+        "rank": sel["rank"].to_numpy(np.int64),
+        "stage": sel["rank"].map(stage).to_numpy(np.int64),
+        "step": sel["step"].to_numpy(np.int64),
+        "mb": sel["mb"].fillna(-1).to_numpy(np.int64),
+        "chunk": sel["chunk"].fillna(0).to_numpy(np.int64),
+        "op": sel["op"].astype(str).to_numpy(),
+        "start_ns": sel["start_ns"].to_numpy(np.int64),
+        "end_ns": sel["end_ns"].to_numpy(np.int64),
+        "dur_s": sel["dur_ns"].to_numpy(np.int64) / 1e9,
+    })
+
+
+def _per_microbatch(times: pd.DataFrame, ops) -> float:
+    """Median over (rank, step, mb) of the summed durations (all chunks) of ``ops``."""
+    sel = times[times["op"].isin(ops)]
+    if sel.empty:
+        return 0.0
+    return float(sel.groupby(["rank", "step", "mb"])["dur_s"].sum().median())
+
+
+def _phase_bubble(partitions_by_key: dict, times: pd.DataFrame) -> pd.DataFrame:
+    """(rank, step) -> bubble seconds in warm-up / steady / cool-down. Warm-up ends at the
+    first backward; cool-down starts after the last forward (or at the first backward when
+    all forwards come first, as in GPipe)."""
+    rows = []
+    for (rank, step), part in partitions_by_key.items():
+        mine = times[(times["rank"] == rank) & (times["step"] == step)]
+        f, b = mine[mine["op"].isin(FWD_OPS)], mine[mine["op"].isin(("bwd", "bwd_input"))]
+        t1 = int(b["start_ns"].min()) if not b.empty else part.end_ns
+        t2 = max(int(f["end_ns"].max()) if not f.empty else t1, t1)
+        bubble = part.parts["pp_bubble"]
+        rows.append({
+            "rank": rank, "step": step,
+            "warmup_s": bubble.clip(part.start_ns, t1).total / 1e9,
+            "steady_s": bubble.clip(t1, t2).total / 1e9,
+            "cooldown_s": bubble.clip(t2, part.end_ns).total / 1e9,
+        })
+    return pd.DataFrame(rows, columns=["rank", "step", "warmup_s", "steady_s", "cooldown_s"])
+
+
+def theory_step(schedule: str | None, m: int, v: int, t_stage: np.ndarray, t_w: np.ndarray) -> float:
+    """The theoretical step time of the schedule from per-stage T = t_f + t_b and t_w."""
+    if len(t_stage) == 0 or m <= 0:
+        return 0.0
+    slow = float(t_stage.max())
+    if schedule == "interleaved":
+        fill = (float(t_stage.sum()) - slow) / max(v, 1)
+    elif schedule == "zb-h1":
+        short = t_stage - t_w
+        fill = float(short.sum()) - float(short.max())
+    else:
+        fill = float(t_stage.sum()) - slow
+    return m * slow + fill
+
+
+def balanced_theory_bubble(schedule: str | None, p: int, v: int, t: float, t_w: float) -> float:
+    """The textbook formula for one stage, as if every stage took this stage's times."""
+    if schedule == "interleaved":
+        return (p - 1) * t / max(v, 1)
+    if schedule == "zb-h1":
+        return (p - 1) * (t - t_w)
+    return (p - 1) * t
+
+
+def pipeline_stages(view, partitions: list) -> tuple[pd.DataFrame, dict]:
+    """(one row per physical stage, run-level summary dict)."""
+    times = microbatch_times(view)
+    by_key = {(p.rank, p.step): p for p in partitions}
+    p = view.layout.pp
+    m = int(view.microbatches or (times["mb"].nunique() if not times.empty else 0))
+    v = view.v
+    phases = _phase_bubble(by_key, times)
+    rows = []
+    for stage in range(p):
+        ranks = [r for r in view.ranks if r < view.layout.world_size and view.layout.coords(r).pp == stage]
+        parts = [by_key[k] for k in by_key if k[0] in ranks]
+        st = times[times["stage"] == stage]
+        chunks = []
+        for chunk, grp in st.groupby("chunk"):
+            chunks.append({"chunk": int(chunk), "t_fwd_s": _per_microbatch(grp, FWD_OPS),
+                           "t_bwd_s": _per_microbatch(grp, BWD_OPS)})
+        ph = phases[phases["rank"].isin(ranks)]
+        step_s = float(np.mean([q.wall_ns for q in parts]) / 1e9) if parts else 0.0
+        bubble = float(np.mean([q.parts["pp_bubble"].total for q in parts]) / 1e9) if parts else 0.0
+        rows.append({
+            "stage": stage, "ranks": ranks, "step_s": step_s, "bubble_s": bubble,
+            "bubble_fraction": bubble / step_s if step_s else 0.0,
+            "warmup_bubble_s": float(ph["warmup_s"].mean()) if not ph.empty else 0.0,
+            "steady_bubble_s": float(ph["steady_s"].mean()) if not ph.empty else 0.0,
+            "cooldown_bubble_s": float(ph["cooldown_s"].mean()) if not ph.empty else 0.0,
+            "t_fwd_s": _per_microbatch(st, FWD_OPS), "t_bwd_s": _per_microbatch(st, BWD_OPS),
+            "t_wgrad_s": _per_microbatch(st, ("bwd_weight",)),
+            "chunks": chunks if v > 1 else [],
+        })
+    stages = pd.DataFrame(rows)
+    summary = {"schedule": view.schedule, "pp": p, "microbatches": m, "vpp": v,
+               "bubble_fraction": 0.0, "theory_bubble_fraction": 0.0, "theory_step_s": 0.0}
+    if stages.empty:
+        return stages, summary
+    t_stage = (stages["t_fwd_s"] + stages["t_bwd_s"]).to_numpy()
+    t_w = stages["t_wgrad_s"].to_numpy()
+    step_theory = theory_step(view.schedule, m, v, t_stage, t_w)
+    stages["theory_bubble_s"] = np.maximum(step_theory - m * t_stage, 0.0) if p > 1 else 0.0
+    stages["theory_bubble_fraction"] = stages["theory_bubble_s"] / step_theory if step_theory else 0.0
+    stages["theory_bubble_balanced_s"] = [
+        balanced_theory_bubble(view.schedule, p, v, t, w) if p > 1 else 0.0 for t, w in zip(t_stage, t_w)]
+    measured = stages[stages["step_s"] > 0]
+    summary.update(
+        bubble_fraction=float(measured["bubble_fraction"].mean()) if not measured.empty else 0.0,
+        theory_bubble_fraction=float(measured["theory_bubble_fraction"].mean()) if not measured.empty else 0.0,
+        theory_step_s=step_theory,
+        bubble_s=float(measured["bubble_s"].mean()) if not measured.empty else 0.0,
+        theory_bubble_s=float(measured["theory_bubble_s"].mean()) if not measured.empty else 0.0,
+    )
+    return stages, summary

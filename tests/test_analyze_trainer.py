@@ -1,0 +1,192 @@
+"""The analysis on real runs of the reference trainer (4 gloo processes, sleep mode), whose
+ground truth is set by the flags: p=4 stages, m=8 microbatches, forward 10 ms, backward
+20 ms per microbatch per stage, so 1F1B's bubble is (p-1)(t_f+t_b) = 90 ms per stage.
+
+Sleep mode keeps 4 processes cheap on 2 cores (they sleep), but p2p latency on the
+critical path still adds real bubble on top of the closed-form theory (DESIGN.md), and a
+loaded machine adds more: tolerances are the brief's 10% plus that.
+"""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+P, M, T_F, T_B = 4, 8, 0.010, 0.020
+SLEEP = ["--pp", "4", "--microbatches", "8", "--compute", "sleep", "--fwd-ms", "10", "--steps", "4",
+         "--profile-steps", "1-3"]
+RUNS = {
+    "1f1b": [*SLEEP, "--schedule", "1f1b", "--bwd-ms", "20"],
+    "interleaved": [*SLEEP, "--schedule", "interleaved", "--vpp", "2", "--layers", "8", "--bwd-ms", "20"],
+    "zb-h1": [*SLEEP, "--schedule", "zb-h1", "--bwd-ms", "10", "--wgrad-ms", "10"],
+    "delay": [*SLEEP, "--schedule", "1f1b", "--bwd-ms", "20", "--delay", "1:fwd:5"],
+}
+CP_MODEL = ["--cp", "2", "--compute", "model", "--layers", "2", "--hidden", "128", "--heads", "4",
+            "--seq-len", "512", "--micro-batch-size", "2", "--microbatches", "1", "--steps", "3",
+            "--profile-steps", "1-2"]
+RUNS["cp_overlap"] = CP_MODEL
+RUNS["cp_no_overlap"] = [*CP_MODEL, "--no-cp-overlap"]
+DELAYED_RANK, DELAY_S = 1, 0.005
+
+
+@pytest.fixture(scope="session")
+def trainer_run(tmp_path_factory):
+    """name -> (Run, report); each trainer run happens once per session, on first use."""
+    if importlib.util.find_spec("instrumented_model.train") is None:
+        pytest.skip("instrumented_model.train does not exist yet")
+    from pptrace.report import build_report
+    from pptrace.run import load_run
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name)
+            proc = subprocess.run([sys.executable, "-m", "instrumented_model.train", *RUNS[name], "--out", str(out)],
+                                  capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            run = load_run(out)
+            cache[name] = (run, build_report(run), out)
+        return cache[name]
+
+    return get
+
+
+def _hop_latency(run) -> float:
+    """Median time a p2p message takes once both sides have posted (s), measured in the run."""
+    pairs = run.pairs[run.pairs["kind"] == "pp"]
+    moving = pairs["recv_end_ns"] - pairs[["send_start_ns", "recv_start_ns"]].max(axis=1)
+    return float(moving.median()) / 1e9
+
+
+def _allowance(run, theory: float) -> float:
+    """The brief's 10%, plus the p2p latency on the pipeline's fill and drain path, 2(p-1)
+    hops, which the closed form leaves out (DESIGN.md: "p2p latency on the critical path
+    adds real bubble on top"); measured, so a loaded box widens it only as much as it slowed
+    the messages."""
+    return 0.10 * theory + 2 * (P - 1) * _hop_latency(run)
+
+
+def _stage(report, stage):
+    return next(s for s in report["pipeline"]["stages"] if s["stage"] == stage)
+
+
+def _stage_bubbles(report) -> np.ndarray:
+    """Per stage, the median over profiled steps of the stage's pp_bubble (a median because a
+    loaded box now and then stalls a step)."""
+    out = []
+    for stage in range(P):
+        ranks = [r for r in report["ranks"] if r["coords"]["pp"] == stage]
+        out.append(np.median([s["breakdown_s"]["pp_bubble"] for r in ranks for s in r["steps"]]))
+    return np.asarray(out)
+
+
+def test_1f1b_bubble_matches_theory(trainer_run):
+    run, report, _ = trainer_run("1f1b")
+    assert report["run"]["schedule"] == "1f1b" and report["run"]["microbatches"] == M
+    bubbles = _stage_bubbles(report)
+    for stage, bubble in enumerate(bubbles):
+        s = _stage(report, stage)
+        # measured per-microbatch times are the sleeps (+ a little wake-up latency)
+        assert s["t_fwd_s"] == pytest.approx(T_F, rel=0.15) and s["t_bwd_s"] == pytest.approx(T_B, rel=0.15)
+        theory = (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"])
+        assert s["theory_bubble_balanced_s"] == pytest.approx(theory)
+        tol = _allowance(run, theory)
+        assert abs(bubble - theory) <= tol, f"stage {stage}: bubble {bubble:.4f}s vs theory {theory:.4f}s ± {tol:.4f}s"
+        assert abs(bubble - (P - 1) * (T_F + T_B)) <= _allowance(run, (P - 1) * (T_F + T_B))
+
+
+def test_partition_sums_to_step_time(trainer_run):
+    _, report, out = trainer_run("1f1b")
+    import orjson
+
+    metrics = {m["step"]: m["step_time_s"] for m in map(orjson.loads, (out / "metrics.jsonl").read_bytes().splitlines())}
+    for rank in report["ranks"]:
+        assert [s["step"] for s in rank["steps"]] == report["run"]["steps"] == [1, 2, 3]
+        for step in rank["steps"]:
+            assert sum(step["breakdown_s"].values()) == pytest.approx(step["time_s"], rel=1e-9)
+            # the profiled step is the trainer's own step (rank 0 times it between prof.step()s)
+            assert step["time_s"] == pytest.approx(metrics[step["step"]], rel=0.05)
+            assert step["breakdown_s"]["compute"] >= M * (T_F + T_B) * 0.98
+
+
+def test_interleaved_bubble_matches_theory(trainer_run):
+    run, report, _ = trainer_run("interleaved")
+    assert report["run"]["vpp"] == 2
+    for stage, bubble in enumerate(_stage_bubbles(report)):
+        s = _stage(report, stage)
+        assert [c["chunk"] for c in s["chunks"]] == [0, 1]
+        # t_f is the whole stage (both chunks) per microbatch
+        assert s["t_fwd_s"] == pytest.approx(sum(c["t_fwd_s"] for c in s["chunks"]), rel=0.25)
+        assert s["t_fwd_s"] == pytest.approx(T_F, rel=0.25)
+        theory = (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]) / 2
+        tol = _allowance(run, theory)
+        assert abs(bubble - theory) <= tol, f"stage {stage}: bubble {bubble:.4f}s vs theory {theory:.4f}s ± {tol:.4f}s"
+
+
+def test_zb_h1_bubble_matches_theory(trainer_run):
+    run, report, _ = trainer_run("zb-h1")
+    for stage, bubble in enumerate(_stage_bubbles(report)):
+        s = _stage(report, stage)
+        assert s["t_wgrad_s"] == pytest.approx(0.010, rel=0.15)
+        theory = (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"] - s["t_wgrad_s"])
+        tol = _allowance(run, theory)
+        assert abs(bubble - theory) <= tol, f"stage {stage}: bubble {bubble:.4f}s vs theory {theory:.4f}s ± {tol:.4f}s"
+
+
+def test_delay_names_the_straggler_and_moves_bubble_to_the_others(trainer_run):
+    """Rank 1 (stage 1) sleeps 5 ms more per forward. Every microbatch round is then paced
+    by it, so the other stages wait m x 5 ms more, while its own extra time is compute.
+    Compared within the run, so a loaded box slows both sides alike."""
+    _, slow, _ = trainer_run("delay")
+    top = slow["stragglers"][0]
+    assert top["rank"] == DELAYED_RANK and top["metric"] == "compute"
+    assert top["cost_s"] == pytest.approx(M * DELAY_S, rel=0.3)
+    assert top["slowdown"] == pytest.approx(DELAY_S / (T_F + T_B), rel=0.3)
+    bubbles = _stage_bubbles(slow)
+    others = np.delete(bubbles, DELAYED_RANK)
+    # the others' bubble exceeds the straggler's by about m x delay ...
+    assert others.mean() - bubbles[DELAYED_RANK] == pytest.approx(M * DELAY_S, rel=0.5), bubbles
+    # ... while the straggler's own bubble stays that of a balanced pipeline of its speed
+    s = _stage(slow, DELAYED_RANK)
+    assert s["t_fwd_s"] == pytest.approx(T_F + DELAY_S, rel=0.15)
+    # and the generalised theory (slowest stage paces the rounds) predicts the same split
+    theory = [_stage(slow, k)["theory_bubble_s"] for k in range(P)]
+    assert np.mean(np.delete(theory, DELAYED_RANK)) - theory[DELAYED_RANK] == pytest.approx(M * DELAY_S, rel=0.3)
+
+
+def _cp_forward_split(run, report):
+    """(hidden, exposed) seconds of CP communication inside forward ranges, all ranks and
+    steps: the ring overlaps only the forward's K/V exchange (its backward is blocking)."""
+    from pptrace.analyzers.activity import rank_activity
+    from pptrace.analyzers.intervals import union
+
+    hidden = exposed = 0
+    for rank, ev in run.events.groupby("rank", observed=True):
+        act = rank_activity(ev, int(rank), run.layout)
+        fwd = ev[(ev["category"] == "compute") & (ev["op"] == "fwd") & ev["step"].isin(report["run"]["steps"])]
+        window = union(fwd["start_ns"].to_numpy(), fwd["end_ns"].to_numpy())
+        cp = act.comm["cp"] & window
+        hidden += (cp & act.compute).total
+        exposed += (cp - act.compute).total
+    return hidden / 1e9, exposed / 1e9
+
+
+def test_cp_ring_overlap_hidden_vs_exposed(trainer_run):
+    run_o, rep_o, _ = trainer_run("cp_overlap")
+    run_n, rep_n, _ = trainer_run("cp_no_overlap")
+    h_o, e_o = _cp_forward_split(run_o, rep_o)
+    h_n, e_n = _cp_forward_split(run_n, rep_n)
+    # overlapped: the exchange runs under the attention of the block in hand
+    assert h_o > e_o, (h_o, e_o)
+    # not overlapped: posted and waited before the compute, so nothing hides it
+    assert h_n < 0.1 * (h_n + e_n), (h_n, e_n)
+    mean = lambda rep, key: np.mean([r["mean"]["hidden_s" if key == "h" else "breakdown_s"]["cp" if key == "h" else "cp_exposed"]
+                                     for r in rep["ranks"]])
+    assert mean(rep_o, "h") > 5 * mean(rep_n, "h")
+    assert any(c["dim"] == "cp" and c["ops"].get("send_kv") for c in rep_o["collectives"])

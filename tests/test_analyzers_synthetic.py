@@ -1,0 +1,259 @@
+"""Analyzers on hand-built traces whose every number is known.
+
+Each scenario is written as torch.profiler-shaped Chrome traces (times in whole µs), loaded
+by the real loader, and analysed; the expected values are worked out by hand in the
+comments, and every part must match to the nanosecond.
+"""
+from __future__ import annotations
+
+import gzip
+
+import orjson
+import pandas as pd
+import pytest
+
+from pptrace.analyzers.breakdown import PARTS, breakdown_table, partition_run
+from pptrace.analyzers.intervals import Intervals, partition, union
+from pptrace.analyzers.p2p import link_table, match_pairs
+from pptrace.analyzers.pipeline import balanced_theory_bubble, pipeline_stages, theory_step
+from pptrace.analyzers.runview import RunView
+from pptrace.analyzers.stragglers import find_stragglers
+from pptrace.load import load_rank
+from pptrace.topology import Layout
+
+BASE_NS = 1_700_000_000_000_000_000
+US = 1000  # ns
+
+
+def _trace(rank: int, world: int, ranges: list, workers: list = (), layout: Layout | None = None) -> dict:
+    """ranges: (name, start_us, end_us) on the main thread; workers: the same on a gloo
+    worker thread. ts are relative µs with baseTimeNanoseconds, as Kineto writes them."""
+    pid, worker_tid = 1000 + rank, 5000 + rank
+    events = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": worker_tid,
+               "args": {"name": f"thread {worker_tid} (pt_gloo_runloop)"}}]
+    for tid, items in ((pid, ranges), (worker_tid, workers)):
+        for name, start, end in items:
+            cat = "cpu_op" if name.startswith("c10d::") else "user_annotation"
+            events.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid,
+                           "ts": start, "dur": end - start, "args": {}})
+    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": world},
+           "baseTimeNanoseconds": BASE_NS, "traceEvents": events}
+    if layout is not None:
+        doc["pptrace"] = {"version": 1, "rank": rank, "world_size": world, "layout": layout.to_dict()}
+    return doc
+
+
+def _view(tmp_path, traces: dict, layout: Layout, **kwargs) -> RunView:
+    frames = []
+    for rank, doc in traces.items():
+        path = tmp_path / f"rank{rank}.json.gz"
+        path.write_bytes(gzip.compress(orjson.dumps(doc)))
+        frames.append(load_rank(path, rank)[0])
+    events = pd.concat(frames, ignore_index=True)
+    for column in frames[0].columns:
+        if isinstance(frames[0][column].dtype, pd.CategoricalDtype):
+            events[column] = events[column].astype(str).where(events[column].notna()).astype("category")
+    return RunView.from_events(events, layout, **kwargs)
+
+
+def _us(table: pd.DataFrame, rank: int, step: int) -> dict:
+    row = table[(table["rank"] == rank) & (table["step"] == step)].iloc[0]
+    return {k: round(row[k] * 1e6, 6) for k in ("time_s", *PARTS, "hidden_tp", "hidden_cp", "hidden_dp", "hidden_ep")}
+
+
+# ------------------------------------------------------------------------------------------
+# interval algebra
+# ------------------------------------------------------------------------------------------
+def test_interval_union_intersect_subtract():
+    a = union([0, 5, 20], [10, 12, 30])       # [0,12) [20,30)
+    b = union([8, 25], [22, 40])              # [8,22) [25,40)
+    assert list(zip(a.starts, a.ends)) == [(0, 12), (20, 30)]
+    assert (a & b).total == 4 + 2 + 5
+    assert list(zip((a - b).starts, (a - b).ends)) == [(0, 8), (22, 25)]
+    assert (a | b).total == 40
+    assert Intervals.empty().total == 0 and (a - a).total == 0
+
+
+def test_partition_priority_and_exact_sum():
+    parts = partition((0, 100), [("x", union([10], [50])), ("y", union([40], [70])), ("z", union([0], [200]))], rest="r")
+    assert {k: v.total for k, v in parts.items()} == {"x": 40, "y": 20, "z": 40, "r": 0}
+    parts = partition((0, 100), [("x", union([10], [20]))], rest="r")
+    assert parts["r"].total == 90
+
+
+# ------------------------------------------------------------------------------------------
+# scenario 1: a 2-stage pipeline, 2 microbatches, one step [0, 260) µs on both ranks
+# ------------------------------------------------------------------------------------------
+STAGE0 = [
+    ("ProfilerStep#1", 0, 260),
+    ("compute:fwd mb=0", 10, 30),
+    ("pp:send_fwd peer=1 mb=0 bytes=100", 30, 40),   # recv [5,38): transfer 8, then waits 2
+    ("compute:fwd mb=1", 40, 60),
+    ("pp:send_fwd peer=1 mb=1 bytes=100", 60, 62),   # recv posted at 103: all wait (2)
+    ("pp:recv_bwd peer=1 mb=0 bytes=100", 62, 104),  # send [98,103): wait 36, transfer 5, wait 1
+    ("compute:bwd mb=0", 104, 144),
+    ("pp:recv_bwd peer=1 mb=1 bytes=100", 144, 172),  # send [166,170): wait 22, transfer 4, wait 2
+    ("compute:bwd mb=1", 172, 212),
+    ("dp:all_reduce what=grad_norm bytes=4", 212, 230),
+    ("compute:optimizer", 232, 240),
+]
+STAGE1 = [
+    ("ProfilerStep#1", 0, 260),
+    ("pp:recv_fwd peer=0 mb=0 bytes=100", 5, 38),    # send at 30: wait 25, transfer 8
+    ("compute:fwd mb=0", 38, 58),
+    ("compute:bwd mb=0", 58, 98),
+    ("pp:send_bwd peer=0 mb=0 bytes=100", 98, 103),  # recv posted at 62: transfer 5
+    ("pp:recv_fwd peer=0 mb=1 bytes=100", 103, 106),  # send done at 62 (eager): transfer 3
+    ("compute:fwd mb=1", 106, 126),
+    ("compute:bwd mb=1", 126, 166),
+    ("pp:send_bwd peer=0 mb=1 bytes=100", 166, 170),  # recv posted at 144: transfer 4
+    ("dp:all_reduce what=grad_norm bytes=4", 175, 230),  # blocked until stage 0 is done
+    ("compute:optimizer", 232, 240),
+]
+
+
+@pytest.fixture
+def pipeline_view(tmp_path):
+    layout = Layout(pp=2)
+    return _view(tmp_path, {0: _trace(0, 2, STAGE0, layout=layout), 1: _trace(1, 2, STAGE1, layout=layout)},
+                 layout, schedule="1f1b", microbatches=2)
+
+
+def test_pipeline_partition_exact(pipeline_view):
+    table = breakdown_table(partition_run(pipeline_view))
+    zero = {"tp_exposed": 0, "cp_exposed": 0, "ep_exposed": 0, "hidden_tp": 0, "hidden_cp": 0, "hidden_dp": 0, "hidden_ep": 0}
+    # Pipeline window [5, 212): first op = stage 1's recv, last = stage 0's last backward.
+    # Data moves from both sides posted until the first side is done. Stage 0: compute
+    # 20+20+40+40+8; transfer 8+5+4; bubble = window 207 - compute 120 - transfer 17 = 70
+    # (its waits 2+2+36+1+22+2 and [5,10)); grad-norm after the window is dp (18);
+    # other [0,5) [230,232) [240,260) = 27.
+    assert _us(table, 0, 1) == {"time_s": 260, "compute": 128, "pp_transfer": 17, "pp_bubble": 70,
+                                "dp_exposed": 18, "other": 27, **zero}
+    # Stage 1: transfer 8+5+3+4; bubble = its recv wait 25 + grad-norm inside the window
+    # [170, 212) 42; the grad-norm's remainder [212, 230) is dp.
+    assert _us(table, 1, 1) == {"time_s": 260, "compute": 128, "pp_transfer": 20, "pp_bubble": 67,
+                                "dp_exposed": 18, "other": 27, **zero}
+
+
+def test_pipeline_parts_sum_to_step_to_the_nanosecond(pipeline_view):
+    for p in partition_run(pipeline_view):
+        assert sum(iv.total for iv in p.parts.values()) == p.wall_ns == 260 * US
+
+
+def test_p2p_pairs_and_links(pipeline_view):
+    pairs, unmatched = match_pairs(pipeline_view)
+    assert len(pairs) == 4 and unmatched.empty
+    got = {(r.src, r.direction, r.mb): (r.wait_ns // US, r.transfer_ns // US) for r in pairs.itertuples()}
+    assert got == {(0, "fwd", 0): (25, 8), (0, "fwd", 1): (0, 3), (1, "bwd", 0): (36, 5), (1, "bwd", 1): (22, 4)}
+    links = link_table(pairs).set_index(["src", "dst"])
+    assert links.loc[(0, 1), "count"] == 2 and links.loc[(0, 1), "bytes"] == 200
+    assert round(links.loc[(0, 1), "wait_s"] * 1e6) == 25 and round(links.loc[(0, 1), "transfer_s"] * 1e6) == 11
+    assert round(links.loc[(1, 0), "wait_s"] * 1e6) == 58 and round(links.loc[(1, 0), "transfer_s"] * 1e6) == 9
+
+
+def test_pipeline_stages_bubble_phases_and_theory(pipeline_view):
+    stages, summary = pipeline_stages(pipeline_view, partition_run(pipeline_view))
+    s0, s1 = stages.iloc[0], stages.iloc[1]
+    assert round(s0.bubble_s * 1e6) == 70 and round(s1.bubble_s * 1e6) == 67
+    # Stage 0's first backward starts at 104 (its last forward ended at 60): warm-up bubble
+    # [5,10) + 2 + 2 + 36 + 1 = 46, cool-down 22 + 2. Stage 1: warm-up to 58 holds its 25 µs recv wait,
+    # steady (58..126) none, cool-down the grad-norm's 42 µs inside the window.
+    assert [round(s0[k] * 1e6) for k in ("warmup_bubble_s", "steady_bubble_s", "cooldown_bubble_s")] == [46, 0, 24]
+    assert [round(s1[k] * 1e6) for k in ("warmup_bubble_s", "steady_bubble_s", "cooldown_bubble_s")] == [25, 0, 42]
+    assert round(s0.t_fwd_s * 1e6) == 20 and round(s0.t_bwd_s * 1e6) == 40
+    # 1F1B theory, (p-1)(t_f+t_b) = 60 µs of a (m+p-1)(t_f+t_b) = 180 µs step.
+    assert round(s0.theory_bubble_s * 1e6) == 60 and round(s0.theory_bubble_balanced_s * 1e6) == 60
+    assert summary["theory_bubble_fraction"] == pytest.approx(60 / 180)
+    assert summary["bubble_fraction"] == pytest.approx((70 / 260 + 67 / 260) / 2)
+
+
+def test_theory_formulas():
+    t = pd.Series([30.0, 30.0, 30.0, 30.0]).to_numpy()
+    w = pd.Series([10.0] * 4).to_numpy()
+    assert theory_step("1f1b", 8, 1, t, w) == pytest.approx(11 * 30)
+    assert theory_step("interleaved", 8, 2, t, w) == pytest.approx(8 * 30 + 3 * 30 / 2)
+    assert theory_step("zb-h1", 8, 1, t, w) == pytest.approx(8 * 30 + 3 * 20)
+    assert balanced_theory_bubble("gpipe", 4, 1, 30, 0) == 90
+    assert balanced_theory_bubble("interleaved", 4, 2, 30, 0) == 45
+    assert balanced_theory_bubble("zb-h1", 4, 1, 30, 10) == 60
+    # Unequal stages: a slow stage paces every round; the others' bubble grows by m x excess.
+    slow = pd.Series([30.0, 35.0, 30.0, 30.0]).to_numpy()
+    step = theory_step("1f1b", 8, 1, slow, w * 0)
+    assert step - 8 * 30 == pytest.approx(90 + 8 * 5) and step - 8 * 35 == pytest.approx(90)
+
+
+# ------------------------------------------------------------------------------------------
+# scenario 2: nested TP, async CP ring exchange under attention, async DP bucket under
+# backward, a fire-and-forget EP all-to-all done by a gloo worker thread
+# ------------------------------------------------------------------------------------------
+OVERLAP_MAIN = [
+    ("ProfilerStep#3", 0, 100),
+    ("compute:fwd mb=0", 0, 60),
+    ("tp:all_reduce layer=0 bytes=64", 10, 15),            # sync, nested in the forward
+    ("cp:send_kv peer=2 step=0 layer=0 bytes=32", 20, 21),  # async exchange posted ...
+    ("cp:recv_kv peer=2 step=0 layer=0 bytes=32", 21, 22),
+    ("cp:wait op=send_recv_kv step=0 layer=0", 40, 45),     # ... and waited after attention
+    ("c10d::allreduce_", 50, 51),                           # enqueued by compute itself: no dim
+    ("dp:all_reduce bucket=0 bytes=1024", 70, 71),
+    ("c10d::allreduce_", 70, 71),
+    ("compute:bwd mb=0", 71, 80),
+    ("dp:wait op=all_reduce bucket=0", 80, 90),
+    ("ep:all_to_all bytes=16", 92, 93),
+    ("c10d::alltoall_base_", 92, 93),
+]
+OVERLAP_WORKER = [
+    ("gloo:all_reduce", 61, 65),     # the compute-enqueued one (FIFO): not communication of a dim
+    ("gloo:all_reduce", 72, 85),     # the DP bucket
+    ("gloo:all_to_all", 93, 96),     # EP: only the enqueue says it is ep
+]
+
+
+def test_overlap_hidden_exposed_and_worker_attribution(tmp_path):
+    layout = Layout(cp=2, dp=2)
+    view = _view(tmp_path, {0: _trace(0, 4, OVERLAP_MAIN, OVERLAP_WORKER, layout)}, layout)
+    table = breakdown_table(partition_run(view))
+    # compute: fwd 60 - nested tp 5 - cp ranges 2 - cp wait 5 = 48, + bwd 9 = 57.
+    # cp in progress [20,45): under compute [22,40) 18 hidden, 7 exposed.
+    # dp in progress [70,90) (launch to wait end, worker inside): 9 hidden under bwd, 11 exposed.
+    # ep [92,93) range + [93,96) worker = 4 exposed. other: [60,70) + [90,92) + [96,100) = 16.
+    assert _us(table, 0, 3) == {
+        "time_s": 100, "compute": 57, "tp_exposed": 5, "cp_exposed": 7, "dp_exposed": 11, "ep_exposed": 4,
+        "pp_transfer": 0, "pp_bubble": 0, "other": 16,
+        "hidden_tp": 0, "hidden_cp": 18, "hidden_dp": 9, "hidden_ep": 0,
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# scenario 3: data-parallel straggler — rank 1 computes 20 µs longer, arrives last
+# ------------------------------------------------------------------------------------------
+def _dp_rank(compute_us: int) -> list:
+    return [
+        ("ProfilerStep#1", 0, 200),
+        ("compute:fwd mb=0", 0, compute_us),
+        ("dp:all_reduce bucket=0 bytes=8", compute_us, 150),
+        ("ProfilerStep#2", 200, 400),
+        ("compute:fwd mb=0", 200, 200 + compute_us),
+        ("dp:all_reduce bucket=0 bytes=8", 200 + compute_us, 350),
+    ]
+
+
+def test_dp_straggler_named_first(tmp_path):
+    layout = Layout(dp=3)
+    traces = {r: _trace(r, 3, _dp_rank(c), layout=layout) for r, c in ((0, 100), (1, 120), (2, 100))}
+    view = _view(tmp_path, traces, layout)
+    parts = partition_run(view)
+    from pptrace.analyzers.collectives import instances
+
+    found = find_stragglers(parts, None, instances(view))
+    top = found.iloc[0]
+    assert int(top["rank"]) == 1
+    assert set(found["rank"]) == {1}
+    by_metric = {r.metric: r for r in found.itertuples()}
+    # compute 120 vs median 100 per step: +20%, 20 µs; last to arrive by 20 µs every step.
+    assert by_metric["compute"].slowdown == pytest.approx(0.2)
+    assert by_metric["compute"].cost_s == pytest.approx(20e-6)
+    assert by_metric["collective_arrival"].cost_s == pytest.approx(20e-6)
+    assert by_metric["collective_arrival"].slowdown == pytest.approx(1.0)
+    # The others' wait shows as dp exposed: 50 µs vs the culprit's 30.
+    table = breakdown_table(parts)
+    assert _us(table, 0, 2)["dp_exposed"] == 50 and _us(table, 1, 2)["dp_exposed"] == 30

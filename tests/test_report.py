@@ -1,0 +1,131 @@
+"""build_report / print_report: the contract-4 document and the terminal tables, on the
+synthetic pipeline (known numbers), through load_run, and on every real GPU trace in
+/work/shared/fixtures/hta-gpu (partial data must give warnings, never a crash)."""
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import orjson
+import pytest
+from rich.console import Console
+
+from pptrace.report import SCHEMA, build_report, print_report
+from pptrace.topology import Layout
+from test_analyzers_synthetic import STAGE0, STAGE1, _trace, _view
+
+FIXTURES = Path("/work/shared/fixtures/hta-gpu")
+BREAKDOWN = {"compute", "pp_bubble", "pp_transfer", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "other"}
+
+
+def _check_contract(report: dict) -> None:
+    """Every contract-4 field is there, with the documented types; strict JSON."""
+    orjson.dumps(report)  # raises on NaN / numpy leftovers
+    assert report["schema"] == SCHEMA
+    run = report["run"]
+    assert {"world_size", "layout", "schedule", "microbatches", "vpp", "steps"} <= set(run)
+    assert set(run["layout"]) >= {"tp", "cp", "pp", "dp", "order"}
+    for rank in report["ranks"]:
+        assert {"rank", "coords", "clock_offset_us", "steps"} <= set(rank)
+        for step in rank["steps"]:
+            assert set(step["breakdown_s"]) == BREAKDOWN
+            assert set(step["hidden_s"]) == {"tp", "cp", "dp", "ep"}
+            assert sum(step["breakdown_s"].values()) == pytest.approx(step["time_s"], rel=1e-9, abs=1e-12)
+    pipe = report["pipeline"]
+    assert {"stages", "bubble_fraction", "theory_bubble_fraction"} <= set(pipe)
+    for stage in pipe["stages"]:
+        assert {"stage", "bubble_s", "bubble_fraction", "theory_bubble_fraction", "t_fwd_s", "t_bwd_s"} <= set(stage)
+    assert {"pairs", "wait_s", "transfer_s", "links"} <= set(report["p2p"])
+    for link in report["p2p"]["links"]:
+        assert {"src", "dst", "count", "bytes", "wait_s", "transfer_s"} <= set(link)
+    for s in report["stragglers"]:
+        assert {"rank", "metric", "slowdown", "cost_s"} <= set(s)
+    assert all(isinstance(w, str) for w in report["warnings"])
+
+
+@pytest.fixture
+def pipeline_view(tmp_path):
+    layout = Layout(pp=2)
+    return _view(tmp_path, {0: _trace(0, 2, STAGE0, layout=layout), 1: _trace(1, 2, STAGE1, layout=layout)},
+                 layout, schedule="1f1b", microbatches=2)
+
+
+def test_report_on_synthetic_pipeline(pipeline_view):
+    report = build_report(pipeline_view)
+    _check_contract(report)
+    assert report["run"]["world_size"] == 2 and report["run"]["steps"] == [1]
+    r0 = report["ranks"][0]
+    assert r0["coords"] == {"tp": 0, "cp": 0, "pp": 0, "dp": 0}
+    assert round(r0["steps"][0]["breakdown_s"]["pp_bubble"] * 1e6) == 70
+    stages = report["pipeline"]["stages"]
+    assert [round(s["bubble_s"] * 1e6) for s in stages] == [70, 67]
+    # per-step means (one step): 4 pairs, waits 25+36+22, transfers 8+3+5+4
+    p2p = report["p2p"]
+    assert p2p["pairs"] == 4 and round(p2p["wait_s"] * 1e6) == 83 and round(p2p["transfer_s"] * 1e6) == 20
+    assert report["warnings"] == []
+
+
+def test_report_selects_ranks_and_steps(pipeline_view):
+    report = build_report(pipeline_view, steps=[1, 7], ranks=[1])
+    assert [r["rank"] for r in report["ranks"]] == [1]
+    # the pipeline window still spans both stages: rank 1's numbers do not change
+    assert round(report["ranks"][0]["steps"][0]["breakdown_s"]["pp_bubble"] * 1e6) == 67
+    assert any("[7]" in w and "not profiled" in w for w in report["warnings"])
+
+
+def test_print_report_shows_every_view(pipeline_view):
+    console = Console(record=True, width=220)
+    print_report(build_report(pipeline_view), console)
+    text = console.export_text()
+    for title in ("Pipeline bubble per stage", "Step time per rank", "Pipeline p2p links", "No stragglers found"):
+        assert title in text
+    assert "0.07" in text  # stage 0's 70 µs bubble in ms
+
+
+def test_report_through_load_run(tmp_path):
+    """The same traces as a run directory, loaded, aligned and matched by pptrace.run."""
+    from pptrace.run import load_run
+
+    layout = Layout(pp=2)
+    traces = tmp_path / "run" / "traces"
+    traces.mkdir(parents=True)
+    for rank, ranges in ((0, STAGE0), (1, STAGE1)):
+        doc = _trace(rank, 2, ranges, layout=layout)
+        doc["pptrace"].update(schedule="1f1b", microbatches=2, steps=[1])
+        (traces / f"rank{rank}.json.gz").write_bytes(gzip.compress(orjson.dumps(doc)))
+    report = build_report(load_run(tmp_path / "run"))
+    _check_contract(report)
+    assert report["run"]["schedule"] == "1f1b" and report["p2p"]["pairs"] == 4
+    assert [len(r["steps"]) for r in report["ranks"]] == [1, 1]
+
+
+def test_missing_rank_gives_partial_results_and_warnings(tmp_path):
+    """Stage 1's trace is missing: stage 0 is still partitioned, with warnings."""
+    layout = Layout(pp=2)
+    report = build_report(_view(tmp_path, {0: _trace(0, 2, STAGE0, layout=layout)}, layout))
+    _check_contract(report)
+    assert [r["rank"] for r in report["ranks"]] == [0]
+    assert any("no matching peer" in w for w in report["warnings"])
+    assert any("ranks [1]" in w and "no trace" in w for w in report["warnings"])
+    # unmatched p2p cannot be split: it all counts as transfer, never as invented bubble
+    step = report["ranks"][0]["steps"][0]["breakdown_s"]
+    assert round(step["pp_transfer"] * 1e6) == 10 + 2 + 42 + 28
+
+
+@pytest.mark.parametrize("trace", sorted(p.name for p in FIXTURES.glob("*.json.gz")))
+def test_report_on_real_gpu_traces(trace):
+    if not FIXTURES.exists():
+        pytest.skip("fixtures not present")
+    from pptrace.run import load_run
+
+    run = load_run(FIXTURES / trace)
+    report = build_report(run)
+    _check_contract(report)
+    # each fixture is one rank of a bigger job, or lacks pptrace ranges: always something to say
+    assert report["warnings"], trace
+    assert any("without pptrace ranges" in w for w in report["warnings"])
+    stepped = [r for r in report["ranks"] if r["steps"]]
+    assert stepped, "every fixture has ProfilerStep ranges"
+    console = Console(record=True, width=200)
+    print_report(report, console)
+    assert "Step time per rank" in console.export_text()
