@@ -172,10 +172,11 @@ def test_theory_formulas():
     w = pd.Series([10.0] * 4).to_numpy()
     assert theory_step("1f1b", 8, 1, t, w) == pytest.approx(11 * 30)
     assert theory_step("interleaved", 8, 2, t, w) == pytest.approx(8 * 30 + 3 * 30 / 2)
-    assert theory_step("zb-h1", 8, 1, t, w) == pytest.approx(8 * 30 + 3 * 20)
+    # Qi et al. 2023: ZB-H1's bubble is (p-1)(T_F + T_B - T_W), a third of 1F1B's at equal times.
+    assert theory_step("zb-h1", 8, 1, t, w) == pytest.approx(8 * 30 + 3 * 10)
     assert balanced_theory_bubble("gpipe", 4, 1, 30, 0) == 90
     assert balanced_theory_bubble("interleaved", 4, 2, 30, 0) == 45
-    assert balanced_theory_bubble("zb-h1", 4, 1, 30, 10) == 60
+    assert balanced_theory_bubble("zb-h1", 4, 1, 30, 10) == 30
     # Unequal stages: a slow stage paces every round; the others' bubble grows by m x excess.
     slow = pd.Series([30.0, 35.0, 30.0, 30.0]).to_numpy()
     step = theory_step("1f1b", 8, 1, slow, w * 0)

@@ -1,14 +1,16 @@
 """Per pipeline stage: measured bubble (and its warm-up / steady / cool-down split), per-
 microbatch forward/backward times, and the schedule's theory from those measured times.
 
-Theory (Narayanan et al. 2021; Qi et al. 2023), T = t_f + t_b per microbatch per stage:
-GPipe/1F1B (p-1)T, interleaved (p-1)T/v, ZB-H1 (p-1)(T - t_w). Real stages are rarely
+Theory (Narayanan et al. 2021; Qi et al. 2023), T = t_f + t_b per microbatch per stage, t_b
+the whole backward (input grad B plus weight grad W): GPipe/1F1B (p-1)T, interleaved (p-1)T/v,
+ZB-H1 (p-1)(t_f + t_B - t_W) = (p-1)(T - 2 t_w), the paper's formula with T_B the input grad
+alone (a third of 1F1B's bubble when t_f = t_B = t_W). Real stages are rarely
 equal, so the primary theory uses the closed form those come from — a step lasts m rounds
 of the slowest stage plus one fill/drain pass of the others — which reduces to the formulas
 above when stages are balanced:
     1F1B/GPipe  step = m max(T) + (sum(T) - max(T))
     interleaved step = m max(T) + (sum(T) - max(T)) / v
-    ZB-H1       step = m max(T) + (sum(T-t_w) - max(T-t_w))
+    ZB-H1       step = m max(T) + (sum(T-2t_w) - max(T-2t_w))
 and a stage's theoretical bubble is step - m T_stage.
 """
 from __future__ import annotations
@@ -78,7 +80,7 @@ def theory_step(schedule: str | None, m: int, v: int, t_stage: np.ndarray, t_w: 
     if schedule == "interleaved":
         fill = (float(t_stage.sum()) - slow) / max(v, 1)
     elif schedule == "zb-h1":
-        short = t_stage - t_w
+        short = t_stage - 2 * t_w
         fill = float(short.sum()) - float(short.max())
     else:
         fill = float(t_stage.sum()) - slow
@@ -90,7 +92,7 @@ def balanced_theory_bubble(schedule: str | None, p: int, v: int, t: float, t_w: 
     if schedule == "interleaved":
         return (p - 1) * t / max(v, 1)
     if schedule == "zb-h1":
-        return (p - 1) * (t - t_w)
+        return (p - 1) * (t - 2 * t_w)
     return (p - 1) * t
 
 
