@@ -1,0 +1,402 @@
+"""Plotly figure builders: pure functions of the analysis report (contract 4) and of a
+:class:`dashboards.timeline.Timeline`. They only display what the analyzers computed.
+
+Every string that can come from a trace (range names, kernel names, warnings) goes through
+:func:`esc`: Plotly renders hover text, tick labels and legend names as a small HTML subset, so a
+range called ``<img src=x onerror=...>`` must reach it as entities to show up as text.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from pptrace.topology import Layout
+
+from .timeline import Timeline
+
+PARTS = ("compute", "pp_bubble", "pp_transfer", "tp_exposed", "cp_exposed", "dp_exposed",
+         "ep_exposed", "other")
+DIMS = ("tp", "cp", "dp", "ep")
+PART_COLORS = {
+    "compute": "#4C78A8", "pp_bubble": "#BDBDBD", "pp_transfer": "#E45756",
+    "tp_exposed": "#EECA3B", "cp_exposed": "#FF9DA6", "dp_exposed": "#9D755D",
+    "ep_exposed": "#72B7B2", "other": "#54545C",
+}
+PHASE_STYLE = {  # phase -> (legend name, colour); F/B/W as in the Megatron and Zero Bubble diagrams
+    "F": ("forward (F)", "#4C78A8"), "B": ("backward (B)", "#54A24B"),
+    "W": ("weight grad (W)", "#B279A2"), "compute": ("other compute", "#8C8C8C"),
+    "recv": ("p2p recv", "#F58518"), "send": ("p2p send", "#E45756"), "p2p": ("p2p", "#E45756"),
+    "tp": ("tp comm", "#EECA3B"), "cp": ("cp comm", "#FF9DA6"), "dp": ("dp comm", "#9D755D"),
+    "ep": ("ep comm", "#72B7B2"), "wait": ("wait", "#79706E"),
+    "kernel": ("compute kernels", "#4C78A8"), "nccl": ("NCCL kernels", "#E45756"),
+}
+IDLE_COLOR = "rgba(120,120,120,0.30)"
+MAX_LABELS_PER_STEP = 6000  # WebGL text beyond this costs seconds and is unreadable unzoomed
+
+
+def esc(text) -> str:
+    """Make untrusted text inert for Plotly's HTML-ish labels (it decodes these entities)."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _fmt_int(v) -> str | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else str(int(v))
+
+
+def _layout_of(report: dict) -> Layout | None:
+    try:
+        return Layout.from_dict(report["run"]["layout"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def rank_label(report: dict, rank: int) -> str:
+    layout = _layout_of(report)
+    try:
+        return f"rank {rank} · {layout.describe(rank)}" if layout else f"rank {rank}"
+    except ValueError:
+        return f"rank {rank}"
+
+
+def _empty(title: str, why: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=esc(why), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(title=title, height=220, xaxis_visible=False, yaxis_visible=False)
+    return fig
+
+
+# -- the pipeline timeline ----------------------------------------------------------------------
+def _segments(x0: np.ndarray, x1: np.ndarray, y: np.ndarray):
+    """Blocks as one polyline: x0, mid, x1, gap. The midpoint is a vertex so that hovering the
+    middle of a wide block finds it (WebGL hover snaps to vertices)."""
+    n = len(x0)
+    xs = np.empty(4 * n)
+    xs[0::4], xs[1::4], xs[2::4], xs[3::4] = x0, (x0 + x1) / 2, x1, np.nan
+    ys = np.repeat(y.astype(float), 4)
+    ys[3::4] = np.nan
+    return xs, ys
+
+
+def _block_hover(blocks, lane_label: dict) -> list[str]:
+    """Hover text per block. Kept short: it is repeated on the block's three vertices and is
+    most of the page's bytes on large runs (bytes= and peer= are already in the range name)."""
+    out = []
+    for r in blocks.itertuples(index=False):
+        parts = [f"<b>{esc(r.name)}</b>", esc(lane_label.get(r.rank, f"rank {r.rank}"))]
+        mb, chunk, peer = _fmt_int(r.mb), _fmt_int(r.chunk), _fmt_int(r.peer)
+        if mb is not None:
+            parts[1] += f" · microbatch {mb}" + (f" chunk {chunk}" if chunk is not None else "")
+        if peer is not None:
+            parts[1] += f" · peer rank {peer}"
+        parts.append(f"{r.start_ms:.3f} ms + {r.dur_ns / 1000:.3f} µs")
+        if r.merged > 1:
+            parts.append(f"{r.merged} ops merged at full view (duration = their sum)")
+        out.append("<br>".join(parts))
+    return out
+
+
+def _per_vertex(text: list[str]) -> list:
+    """Block text on its x0, mid and x1 vertices; nothing on the gap vertex."""
+    out = [None] * (4 * len(text))
+    out[0::4] = out[1::4] = out[2::4] = text
+    return out
+
+
+def _block_label(phase: str, mb, chunk) -> str:
+    mb_s, chunk_s = _fmt_int(mb), _fmt_int(chunk)
+    if mb_s is None:
+        return ""
+    return f"{phase}{mb_s}" + (f".{chunk_s}" if chunk_s is not None else "")
+
+
+def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Figure:
+    """One lane group per rank (stages top to bottom): compute row with F/B/W blocks, p2p row
+    (recv above, send below), comm row; grey = compute row idle inside the pipeline window."""
+    if not tl.steps or tl.blocks.empty:
+        return _empty(title, "no pipeline, communication or compute ranges in the profiled steps")
+    y_of = {lane.rank: lane.y for lane in tl.lanes}
+    lane_label = {lane.rank: lane.label for lane in tl.lanes}
+    n_rows = max(lane.y for lane in tl.lanes) + 3
+    px_row = max(7.0, min(22.0, 1500.0 / n_rows))
+    row_offset = {"compute": (0.0, 0.8), "p2p": (1.0, 0.32), "comm": (2.0, 0.6)}
+    fig = go.Figure()
+    step_of_trace = []
+
+    for step in tl.steps:
+        idle = tl.idle[tl.idle["step"] == step]
+        if not idle.empty:
+            xs, ys = _segments(idle["start_ms"].to_numpy(), idle["end_ms"].to_numpy(),
+                               idle["rank"].map(y_of).to_numpy())
+            text = [f"idle (no compute in the pipeline window)<br>{esc(lane_label[r])}<br>"
+                    f"{a:.3f} ms + {1000 * (b - a):.3f} µs"
+                    for r, a, b in zip(idle["rank"], idle["start_ms"], idle["end_ms"])]
+            fig.add_trace(go.Scattergl(
+                x=xs, y=ys, mode="lines", name="idle (bubble)", legendgroup="idle",
+                line=dict(color=IDLE_COLOR, width=px_row * 0.8),
+                hovertext=_per_vertex(text), hoverinfo="text",
+                meta={"step": step, "phase": "idle"}, connectgaps=False,
+            ))
+            step_of_trace.append(step)
+        blocks = tl.blocks[tl.blocks["step"] == step]
+        for phase, pb in blocks.groupby("phase", sort=False):
+            name, color = PHASE_STYLE.get(phase, (phase, "#888888"))
+            row = pb["row"].iloc[0]
+            offset, width = row_offset[row]
+            y = pb["rank"].map(y_of).to_numpy() + offset
+            if row == "p2p":  # recv and send of one batched exchange overlap: split the row
+                y = y + (-0.18 if phase == "recv" else 0.18)
+            xs, ys = _segments(pb["start_ms"].to_numpy(), pb["end_ms"].to_numpy(), y)
+            fig.add_trace(go.Scattergl(
+                x=xs, y=ys, mode="lines", name=esc(name), legendgroup=phase,
+                line=dict(color=color, width=px_row * width),
+                hovertext=_per_vertex(_block_hover(pb, lane_label)), hoverinfo="text",
+                meta={"step": step, "phase": phase}, connectgaps=False,
+            ))
+            step_of_trace.append(step)
+        labelled = blocks[blocks["phase"].isin(["F", "B", "W"]) & (blocks["merged"] == 1)]
+        if 0 < len(labelled) <= MAX_LABELS_PER_STEP:
+            fig.add_trace(go.Scattergl(
+                x=((labelled["start_ms"] + labelled["end_ms"]) / 2).to_numpy(),
+                y=labelled["rank"].map(y_of).to_numpy(dtype=float),
+                mode="text", text=[_block_label(p, m, c) for p, m, c in
+                                   zip(labelled["phase"], labelled["mb"], labelled["chunk"])],
+                textfont=dict(color="white", size=max(7, min(11, int(px_row * 0.55)))),
+                hoverinfo="skip", showlegend=False, meta={"step": step, "phase": "labels"},
+            ))
+            step_of_trace.append(step)
+
+    first = tl.steps[0]
+    for trace, step in zip(fig.data, step_of_trace):
+        trace.visible = step == first
+    # Row names only where they stay cheap: every tick label is measured in the DOM at load.
+    sub_rows = ((1, "p2p"), (2, "comm")) if len(tl.lanes) <= 16 else ()
+    ticks = [(lane.y + off, text) for lane in tl.lanes
+             for off, text in ((0, esc(lane.label)), *sub_rows)]
+    shapes = [dict(type="line", xref="paper", x0=0, x1=1, y0=b.y - 0.8, y1=b.y - 0.8,
+                   line=dict(color="#555", width=1))
+              for a, b in zip(tl.lanes, tl.lanes[1:]) if a.stage != b.stage]
+    height = int(n_rows * px_row + 170)
+    fig.update_layout(
+        title=title, height=height, hovermode="closest", dragmode="zoom",
+        plot_bgcolor="white", legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0),
+        margin=dict(l=150, r=20, t=110, b=50), shapes=shapes,
+        xaxis=dict(title="time since the step's start (ms, aligned clocks)", showgrid=True,
+                   gridcolor="#eee", zeroline=False),
+        yaxis=dict(tickvals=[t[0] for t in ticks], ticktext=[t[1] for t in ticks],
+                   autorange="reversed", showgrid=False, zeroline=False, tickfont=dict(size=10)),
+    )
+    if len(tl.steps) > 1:
+        buttons = [dict(label=f"step {s}", method="update",
+                        args=[{"visible": [t == s for t in step_of_trace]},
+                              {"xaxis.autorange": True, "yaxis.autorange": "reversed"}])
+                   for s in tl.steps]
+        many = len(buttons) > 4  # a row of buttons would run into the legend
+        fig.update_layout(updatemenus=[dict(type="dropdown" if many else "buttons",
+                                            direction="down" if many else "right",
+                                            buttons=buttons, x=1, xanchor="right", y=1.12,
+                                            yanchor="bottom")])
+    return fig
+
+
+# -- views of the report -------------------------------------------------------------------------
+def _mean(values) -> float:
+    values = [float(v) for v in values if v is not None]
+    return sum(values) / len(values) if values else 0.0
+
+
+def _ranks_in_stage_order(report: dict) -> list[dict]:
+    ranks = report.get("ranks") or []
+    return sorted(ranks, key=lambda r: ((r.get("coords") or {}).get("pp", 0), r.get("rank", 0)))
+
+
+def partition_figure(report: dict) -> go.Figure:
+    """Stacked bars per rank: the step time partition (mean over profiled steps, ms)."""
+    ranks = _ranks_in_stage_order(report)
+    if not ranks:
+        return _empty("Step partition per rank", "the report has no per-rank steps")
+    labels = [esc(rank_label(report, r["rank"])) for r in ranks]
+    fig = go.Figure()
+    for part in PARTS:
+        ms = [1000 * _mean(s.get("breakdown_s", {}).get(part) for s in r.get("steps", []))
+              for r in ranks]
+        if not any(ms):
+            continue
+        fig.add_trace(go.Bar(x=labels, y=ms, name=part, marker_color=PART_COLORS[part],
+                             hovertemplate=f"{part}: %{{y:.3f}} ms<extra>%{{x}}</extra>"))
+    step_ms = [1000 * _mean(s.get("time_s") for s in r.get("steps", [])) for r in ranks]
+    fig.add_trace(go.Scatter(x=labels, y=step_ms, mode="markers", name="step time",
+                             marker=dict(symbol="line-ew-open", size=24, color="black"),
+                             hovertemplate="step time %{y:.3f} ms<extra>%{x}</extra>"))
+    fig.update_layout(barmode="stack", title="Step time partition per rank (mean over steps)",
+                      yaxis_title="ms per step", height=420, legend_traceorder="normal")
+    return fig
+
+
+def bubble_figure(report: dict) -> go.Figure:
+    """Measured vs theoretical bubble fraction per pipeline stage."""
+    stages = (report.get("pipeline") or {}).get("stages") or []
+    if not stages:
+        return _empty("Pipeline bubble per stage", "the report has no pipeline stages")
+    x = [f"stage {s.get('stage')}" for s in stages]
+    measured = [100 * float(s.get("bubble_fraction") or 0) for s in stages]
+    theory = [None if s.get("theory_bubble_fraction") is None
+              else 100 * float(s["theory_bubble_fraction"]) for s in stages]
+    bubble_ms = [1000 * float(s.get("bubble_s") or 0) for s in stages]
+    fig = go.Figure([
+        go.Bar(x=x, y=measured, name="measured", marker_color=PART_COLORS["pp_bubble"],
+               customdata=bubble_ms,
+               hovertemplate="measured %{y:.2f}% (%{customdata:.3f} ms)<extra>%{x}</extra>"),
+        go.Bar(x=x, y=theory, name="theory (from measured t_f, t_b)", marker_color="#4C78A8",
+               hovertemplate="theory %{y:.2f}%<extra>%{x}</extra>"),
+    ])
+    pipe = report.get("pipeline") or {}
+    sub = ""
+    if pipe.get("bubble_fraction") is not None:
+        sub = f" — run: {100 * pipe['bubble_fraction']:.1f}% measured"
+        if pipe.get("theory_bubble_fraction") is not None:
+            sub += f", {100 * pipe['theory_bubble_fraction']:.1f}% theory"
+    fig.update_layout(barmode="group", title="Pipeline bubble per stage" + sub,
+                      yaxis_title="% of step", height=380)
+    return fig
+
+
+def comm_figure(report: dict) -> go.Figure:
+    """Exposed vs hidden communication per dimension (mean per rank per step, ms)."""
+    ranks = report.get("ranks") or []
+    steps = [s for r in ranks for s in r.get("steps", [])]
+    if not steps:
+        return _empty("Communication exposed vs hidden", "the report has no per-rank steps")
+    n_ranks = max(len(ranks), 1)
+
+    def per_rank_step(values) -> float:  # sum over ranks of the per-step mean, / ranks
+        return 1000 * sum(_mean(values(r)) for r in ranks) / n_ranks
+
+    dims = [*DIMS]
+    exposed = [per_rank_step(lambda r, d=d: [s.get("breakdown_s", {}).get(f"{d}_exposed")
+                                             for s in r.get("steps", [])]) for d in dims]
+    hidden = [per_rank_step(lambda r, d=d: [(s.get("hidden_s") or {}).get(d)
+                                            for s in r.get("steps", [])]) for d in dims]
+    pp_transfer = per_rank_step(lambda r: [s.get("breakdown_s", {}).get("pp_transfer")
+                                           for s in r.get("steps", [])])
+    x = [*dims, "pp (transfer)"]
+    fig = go.Figure([
+        go.Bar(x=x, y=[*exposed, pp_transfer], name="exposed (no compute running)",
+               marker_color="#E45756", hovertemplate="exposed %{y:.3f} ms<extra>%{x}</extra>"),
+        go.Bar(x=x, y=[*hidden, 0.0], name="hidden under compute", marker_color="#54A24B",
+               hovertemplate="hidden %{y:.3f} ms<extra>%{x}</extra>"),
+    ])
+    fig.update_layout(barmode="group", title="Communication: exposed vs hidden per dimension",
+                      yaxis_title="ms per rank per step", height=360)
+    return fig
+
+
+def p2p_matrix_figure(report: dict) -> go.Figure:
+    """rank x rank heatmaps of the p2p links: bytes, wait (peer not posted yet), transfer."""
+    links = (report.get("p2p") or {}).get("links") or []
+    if not links:
+        return _empty("p2p links", "no matched pipeline send/recv pairs in the report")
+    world = int((report.get("run") or {}).get("world_size") or 0)
+    n = max([world, *[int(link["src"]) + 1 for link in links], *[int(link["dst"]) + 1 for link in links]])
+    metrics = (("bytes", "bytes", 1.0), ("wait_s", "wait (ms)", 1000.0),
+               ("transfer_s", "transfer (ms)", 1000.0))
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[m[1] for m in metrics],
+                        horizontal_spacing=0.08)
+    for col, (key, label, scale) in enumerate(metrics, start=1):
+        z = np.full((n, n), np.nan)
+        for link in links:
+            z[int(link["src"]), int(link["dst"])] = float(link.get(key) or 0) * scale
+        fig.add_trace(go.Heatmap(
+            z=z, x=list(range(n)), y=list(range(n)), colorscale="Viridis", showscale=False,
+            texttemplate="%{z:.3~f}" if n <= 16 else None, textfont=dict(size=10),
+            hovertemplate=f"src %{{y}} → dst %{{x}}<br>{label}: %{{z:.3f}}<extra></extra>",
+        ), row=1, col=col)
+        ticks = dict(tickmode="linear", dtick=1 if n <= 16 else max(1, n // 16))
+        fig.update_xaxes(title_text="dst rank", row=1, col=col, **ticks)
+        fig.update_yaxes(title_text="src rank" if col == 1 else None, autorange="reversed",
+                         row=1, col=col, **ticks)
+    fig.update_layout(title="p2p links (sender row, receiver column)",
+                      height=max(360, min(760, 260 + 8 * n)))
+    return fig
+
+
+def _collective_rows(report: dict) -> list[dict]:
+    """Per-dimension collective rows in whichever shape the report gives them."""
+    col = report.get("collectives")
+    if isinstance(col, dict):
+        rows = col.get("by_dim") or col.get("dims") or [
+            {"dim": k, **v} for k, v in col.items() if isinstance(v, dict)]
+    else:
+        rows = col or []
+    return [r for r in rows if isinstance(r, dict) and ("dim" in r or "kind" in r)]
+
+
+def collectives_figure(report: dict) -> go.Figure:
+    """Collective time per dimension split into waiting for late ranks vs transferring."""
+    rows = _collective_rows(report)
+    rows = [r for r in rows if r.get("wait_s") is not None or r.get("transfer_s") is not None]
+    if not rows:
+        return _empty("Collectives: wait vs transfer", "the report has no collective wait/transfer")
+    x = [esc(r.get("dim", r.get("kind"))) + (f" {esc(r['op'])}" if r.get("op") else "")
+         for r in rows]
+    fig = go.Figure([
+        go.Bar(x=x, y=[1000 * float(r.get("wait_s") or 0) for r in rows],
+               name="wait (for the last rank to arrive)", marker_color="#BDBDBD",
+               hovertemplate="wait %{y:.3f} ms<extra>%{x}</extra>"),
+        go.Bar(x=x, y=[1000 * float(r.get("transfer_s") or 0) for r in rows], name="transfer",
+               marker_color="#E45756", hovertemplate="transfer %{y:.3f} ms<extra>%{x}</extra>"),
+    ])
+    fig.update_layout(barmode="stack", title="Collectives: wait vs transfer", yaxis_title="ms",
+                      height=360)
+    if not any(float(r.get("wait_s") or 0) + float(r.get("transfer_s") or 0) for r in rows):
+        total = sum(1000 * float(r.get("time_s") or 0) for r in rows)
+        fig.add_annotation(text=f"no wait or transfer split in the report "
+                                f"(collective time in total: {total:.3f} ms)",
+                           showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    return fig
+
+
+def straggler_figure(report: dict) -> go.Figure:
+    """rank x step heatmaps: compute time, and time spent waiting (pp_bubble) — a straggler is
+    the row hot on the left and cold on the right."""
+    ranks = sorted(report.get("ranks") or [], key=lambda r: r.get("rank", 0))
+    steps = sorted({s["step"] for r in ranks for s in r.get("steps", [])})
+    if not ranks or not steps:
+        return _empty("Stragglers", "the report has no per-rank steps")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["compute (ms)", "waiting: pp_bubble (ms)"],
+                        horizontal_spacing=0.12)
+    ylabels = [esc(rank_label(report, r["rank"])) for r in ranks]
+    for col, part in enumerate(("compute", "pp_bubble"), start=1):
+        z = np.full((len(ranks), len(steps)), np.nan)
+        for i, r in enumerate(ranks):
+            for s in r.get("steps", []):
+                z[i, steps.index(s["step"])] = 1000 * float(s.get("breakdown_s", {}).get(part) or 0)
+        fig.add_trace(go.Heatmap(
+            z=z, x=[f"step {s}" for s in steps], y=ylabels, showscale=False,
+            colorscale="Blues" if col == 1 else "Greys",
+            texttemplate="%{z:.1f}" if z.size <= 400 else None, textfont=dict(size=10),
+            hovertemplate=f"%{{y}} %{{x}}<br>{part}: %{{z:.3f}} ms<extra></extra>"), row=1, col=col)
+        fig.update_yaxes(autorange="reversed", showticklabels=col == 1, row=1, col=col)
+    named = report.get("stragglers") or []
+    title = "Stragglers"
+    if named:
+        top = named[0]
+        title += (f" — top: {esc(rank_label(report, int(top.get('rank', -1))))} "
+                  f"({esc(top.get('metric', ''))}, slowdown {float(top.get('slowdown') or 0):.2f}x, "
+                  f"cost {1000 * float(top.get('cost_s') or 0):.2f} ms)")
+    fig.update_layout(title=title, height=max(320, min(1400, 140 + 16 * len(ranks))),
+                      margin=dict(l=150))
+    return fig
+
+
+def report_figures(report: dict) -> dict[str, go.Figure]:
+    return {
+        "partition": partition_figure(report),
+        "bubble": bubble_figure(report),
+        "comm": comm_figure(report),
+        "p2p_links": p2p_matrix_figure(report),
+        "collectives": collectives_figure(report),
+        "stragglers": straggler_figure(report),
+    }

@@ -1,0 +1,169 @@
+"""One self-contained, offline HTML page per run: header, timeline, and the report's views.
+
+plotly.js is embedded once (a CDN link would fail offline). Plotly's own JSON writer escapes
+``<``, ``>`` and ``/`` as ``\\u003c`` etc., so trace names cannot close the script tag; the header
+is plain HTML and goes through :func:`html.escape`.
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import shutil
+from pathlib import Path
+
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+
+from .figures import report_figures, timeline_figure
+from .timeline import build_timeline
+
+SECTIONS = (  # (figure key, heading, what to read in it)
+    ("timeline", "Pipeline timeline",
+     "One lane group per rank, pipeline stages top to bottom. F/B/W blocks are labelled by "
+     "microbatch (.chunk when interleaved); grey = no compute inside the pipeline window. "
+     "Drag to zoom, double-click to reset, buttons switch steps."),
+    ("partition", "Where each rank's step goes", "DESIGN contract 3: the parts sum to the step."),
+    ("bubble", "Bubble: measured vs theory", "Theory uses this run's measured t_f and t_b."),
+    ("comm", "Communication", "Exposed = nothing else ran; hidden = overlapped compute."),
+    ("p2p_links", "p2p links", "Wait = the receiver had posted before the sender did."),
+    ("collectives", "Collectives", ""),
+    ("stragglers", "Stragglers", ""),
+)
+# Nothing on this page needs the network; the policy makes that a guarantee. regl (WebGL
+# traces) compiles shaders with Function(), hence 'unsafe-eval'.
+_CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; "
+        "style-src 'unsafe-inline'; img-src data: blob:; font-src data:; worker-src blob:")
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:0 24px 40px;color:#222}
+header{border-bottom:1px solid #ccc;padding:12px 0}
+h1{font-size:20px;margin:6px 0} h2{font-size:17px;margin:28px 0 2px}
+.facts span{display:inline-block;margin-right:18px;font-size:14px}
+.note{color:#666;font-size:13px;margin:0 0 6px}
+.warnings{background:#fff6e0;border:1px solid #e8c66d;padding:6px 12px;font-size:13px}
+.warnings li{margin:2px 0}
+"""
+
+
+def _header(run, report: dict) -> str:
+    info = report.get("run") or {}
+    layout = info.get("layout") or {}
+    layout_text = " ".join(f"{d}={layout[d]}" for d in ("tp", "cp", "pp", "dp") if d in layout)
+    if layout.get("order"):
+        layout_text += f" (order {layout['order']})"
+    facts = [
+        ("layout", layout_text or "unknown"),
+        ("world size", info.get("world_size")),
+        ("schedule", info.get("schedule")),
+        ("microbatches", info.get("microbatches")),
+        ("vpp", info.get("vpp")),
+        ("steps", ", ".join(str(s) for s in info.get("steps") or []) or None),
+    ]
+    pipe = report.get("pipeline") or {}
+    if pipe.get("bubble_fraction") is not None:
+        facts.append(("bubble", f"{100 * pipe['bubble_fraction']:.1f}% of step"))
+    facts_html = "".join(
+        f"<span><b>{html.escape(k)}</b> {html.escape(str(v))}</span>"
+        for k, v in facts if v not in (None, ""))
+    warnings = list(dict.fromkeys([*(report.get("warnings") or []),
+                                   *(getattr(run, "warnings", None) or [])]))
+    warn_html = ""
+    if warnings:
+        items = "".join(f"<li>{html.escape(str(w))}</li>" for w in warnings)
+        warn_html = f'<div class="warnings"><b>{len(warnings)} warning(s)</b><ul>{items}</ul></div>'
+    source = getattr(run, "path", None) or getattr(run, "run_dir", None)
+    title = f"pptrace — {source}" if source else "pptrace run"
+    return (f'<header><h1>{html.escape(str(title))}</h1><div class="facts">{facts_html}</div>'
+            f"{warn_html}</header>")
+
+
+def build_figures(run, report: dict) -> dict:
+    steps = (report.get("run") or {}).get("steps") or None
+    tl = build_timeline(run.events, run.layout, steps=steps)
+    figures = {"timeline": timeline_figure(tl)}
+    figures.update(report_figures(report))
+    return figures
+
+
+_CONFIG = {"displaylogo": False, "responsive": True, "scrollZoom": False,
+           "toImageButtonOptions": {"format": "png", "scale": 2}}
+# Figures are drawn when they scroll into view: on a 64-rank run each plot costs a few hundred
+# ms of layout, and nobody looks at the heatmaps before the timeline. The figure JSON sits in
+# inert application/json blocks and is parsed with JSON.parse, never evaluated.
+_BOOT = """(function () {
+  var config = %s;
+  function draw(div) {
+    if (div.getAttribute('data-drawn')) return;
+    div.setAttribute('data-drawn', '1');
+    var fig = JSON.parse(document.getElementById('data-' + div.id).textContent);
+    Plotly.newPlot(div, fig.data, fig.layout, config);
+  }
+  var divs = document.querySelectorAll('.pptrace-fig');
+  if (!('IntersectionObserver' in window)) { divs.forEach(draw); return; }
+  var seen = new IntersectionObserver(function (entries) {
+    entries.forEach(function (e) { if (e.isIntersecting) { seen.unobserve(e.target); draw(e.target); } });
+  }, {rootMargin: '300px'});
+  divs.forEach(function (d) { seen.observe(d); });
+})();"""
+
+
+def _inert_json(fig) -> str:
+    # Plotly already writes < > / as \u003c-style escapes; this keeps "</script" out regardless.
+    return pio.to_json(fig, validate=False).replace("</", "<\\/")
+
+
+def render_html(run, report: dict, figures: dict) -> str:
+    body = []
+    for key, heading, note in SECTIONS:
+        if key not in figures:
+            continue
+        height = int(figures[key].layout.height or 450)
+        note_html = f'<p class="note">{html.escape(note)}</p>' if note else ""
+        body.append(
+            f'<section id="{key}"><h2>{html.escape(heading)}</h2>{note_html}'
+            f'<div id="fig-{key}" class="pptrace-fig" style="height:{height}px"></div>'
+            f'<script type="application/json" id="data-fig-{key}">{_inert_json(figures[key])}</script>'
+            "</section>")
+    boot = _BOOT % json.dumps(_CONFIG)
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+        f"<title>pptrace dashboard</title><style>{_STYLE}</style>"
+        f'<script type="text/javascript">{get_plotlyjs()}</script></head><body>'
+        f"{_header(run, report)}{''.join(body)}<script>{boot}</script></body></html>\n"
+    )
+
+
+def write_pngs(figures: dict, png_dir) -> list[Path]:
+    """Static images through kaleido and the system Chromium."""
+    given = os.environ.get("BROWSER_PATH")
+    if given and not os.access(given, os.X_OK):
+        raise ValueError(f"cannot write PNGs: BROWSER_PATH={given} is not an executable; "
+                         "point it at a Chrome/Chromium binary or unset it")
+    if not given:
+        found = shutil.which("chromium") or shutil.which("chromium-browser")
+        if found:
+            os.environ["BROWSER_PATH"] = found  # kaleido's choreographer looks here first
+    png_dir = Path(png_dir)
+    png_dir.mkdir(parents=True, exist_ok=True)
+    paths = [png_dir / f"{key}.png" for key in figures]
+    try:
+        pio.write_images(list(figures.values()), paths, width=1400, scale=1)
+    except Exception as exc:  # kaleido's errors are long; the user needs the fix, in one line
+        raise ValueError(
+            f"could not write PNGs to {png_dir}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]} "
+            "(install Debian 'chromium' or set BROWSER_PATH to a Chrome/Chromium binary)"
+        ) from None
+    return paths
+
+
+def write_dashboard(run, report: dict, out_path, *, png_dir=None) -> Path:
+    """Write the page for ``run`` (a :class:`pptrace.run.Run`) and its contract-4 ``report``;
+    with ``png_dir``, also one PNG per figure. Returns the HTML path."""
+    out_path = Path(out_path)
+    figures = build_figures(run, report)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(render_html(run, report, figures), encoding="utf-8")
+    if png_dir is not None:
+        write_pngs(figures, png_dir)
+    return out_path

@@ -1,0 +1,269 @@
+"""Figure builders and page assembly on synthetic runs whose every block and gap is known.
+
+The synthetic run is a GPipe schedule written as real torch.profiler-shaped trace files and read
+back through ``pptrace.run.load_run``: forward F(s, j) starts at s*(tf+g) + j*tf, backward
+B(s, j) at T_F + (p-1-s)*(tb+g) + j*tb, every p2p transfer takes g. So each stage computes
+m*(tf+tb) and is idle (p-1)*(tf+tb+2g) inside the pipeline window.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dashboards.figures import (
+    PARTS, esc, p2p_matrix_figure, partition_figure, straggler_figure, timeline_figure,
+    bubble_figure, comm_figure, collectives_figure,
+)
+from dashboards.page import render_html, write_dashboard
+from dashboards.timeline import build_timeline, decimate
+from pptrace.run import load_run
+from pptrace.topology import Layout
+
+BASE_NS = 1_700_000_000_000_000_000
+STEP_LEAD_US = 100.0  # the ProfilerStep starts this long before the first forward
+HOSTILE_F = "compute:fwd mb=1 note=<img/src=x/onerror=alert(1)>"
+HOSTILE_SEND = "pp:send_fwd peer=1 mb=0 bytes=64 x=</script><script>alert(2)</script>"
+
+
+def gpipe_events(p: int, m: int, tf: float, tb: float, g: float, *, hostile: bool = False):
+    """{rank: [(name, start_us, dur_us)]} of one GPipe step on ranks 0..p-1 (one rank per stage)."""
+    t_fwd = (p - 1) * (tf + g) + m * tf
+    out = {s: [] for s in range(p)}
+    for s in range(p):
+        for j in range(m):
+            f0 = s * (tf + g) + j * tf
+            out[s].append((f"compute:fwd mb={j}", f0, tf))
+            if s < p - 1:
+                out[s].append((f"pp:send_fwd peer={s + 1} mb={j} bytes=64", f0 + tf, g))
+                out[s + 1].append((f"pp:recv_fwd peer={s} mb={j} bytes=64", f0 + tf, g))
+            b0 = t_fwd + (p - 1 - s) * (tb + g) + j * tb
+            out[s].append((f"compute:bwd mb={j}", b0, tb))
+            if s > 0:
+                out[s].append((f"pp:send_bwd peer={s - 1} mb={j} bytes=64", b0 + tb, g))
+                out[s - 1].append((f"pp:recv_bwd peer={s} mb={j} bytes=64", b0 + tb, g))
+    end = t_fwd + (p - 1) * (tb + g) + m * tb
+    for s in range(p):
+        last = max(a + d for _, a, d in out[s])
+        out[s].append(("dp:all_reduce what=grad_norm bytes=4", last, end + 50.0 - last))
+        out[s].append(("ProfilerStep#1", -STEP_LEAD_US, end + 60.0 + STEP_LEAD_US))
+    if hostile:
+        out[0] = [(HOSTILE_F if n == "compute:fwd mb=1" else n, a, d) for n, a, d in out[0]]
+        out[0] = [(HOSTILE_SEND if n.startswith("pp:send_fwd peer=1 mb=0 ") else n, a, d)
+                  for n, a, d in out[0]]
+    return out
+
+
+def write_gpipe_run(root: Path, p=4, m=4, tf=1000.0, tb=2000.0, g=50.0, hostile=False) -> Path:
+    """Write the GPipe step as traces/rank{r}.json the way pptrace.profile does."""
+    layout = Layout(tp=1, cp=1, pp=p, dp=1)
+    (root / "traces").mkdir(parents=True, exist_ok=True)
+    for rank, ranges in gpipe_events(p, m, tf, tb, g, hostile=hostile).items():
+        pid = 1000 + rank
+        events = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": pid, "args": {"name": "python"}}]
+        events += [{"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": pid,
+                    "ts": 5_000_000.0 + start, "dur": dur, "args": {}}
+                   for name, start, dur in sorted(ranges, key=lambda r: r[1])]
+        doc = {
+            "schemaVersion": 1, "baseTimeNanoseconds": BASE_NS,
+            "pptrace": {"version": 1, "rank": rank, "world_size": p, "layout": layout.to_dict(),
+                        "coords": layout.coords(rank)._asdict(), "schedule": "gpipe",
+                        "microbatches": m, "vpp": 1, "steps": [1], "hostname": "synthetic"},
+            "traceEvents": events,
+        }
+        (root / "traces" / f"rank{rank}.json").write_text(json.dumps(doc))
+    return root
+
+
+def synthetic_report(layout: Layout, steps=(1,), time_s=0.02) -> dict:
+    """A contract-4 document whose parts sum to time_s, values varying per rank and step."""
+    ranks = []
+    for r in range(layout.world_size):
+        rows = []
+        for s in steps:
+            parts = {k: 0.0 for k in PARTS}
+            parts.update(compute=0.010 + 0.001 * r, pp_transfer=0.0005, dp_exposed=0.0002 * s,
+                         other=0.0003)
+            parts["pp_bubble"] = time_s - sum(parts.values())
+            rows.append({"step": s, "time_s": time_s, "breakdown_s": parts,
+                         "hidden_s": {"tp": 0.0, "cp": 0.0, "dp": 0.0001 * (r + 1), "ep": 0.0}})
+        ranks.append({"rank": r, "coords": layout.coords(r)._asdict(), "clock_offset_us": 0.0,
+                      "steps": rows})
+    stages = [{"stage": s, "bubble_s": 0.008, "bubble_fraction": 0.4 - 0.01 * s,
+               "theory_bubble_fraction": 0.43, "t_fwd_s": 0.001, "t_bwd_s": 0.002}
+              for s in range(layout.pp)]
+    links = [{"src": s, "dst": s + 1, "count": 4, "bytes": 256 * (s + 1), "wait_s": 0.001 * s,
+              "transfer_s": 0.0002} for s in range(layout.pp - 1)]
+    return {
+        "schema": "pptrace.analysis/1",
+        "run": {"world_size": layout.world_size, "layout": layout.to_dict(), "schedule": "gpipe",
+                "microbatches": 4, "vpp": 1, "steps": list(steps)},
+        "ranks": ranks,
+        "pipeline": {"stages": stages, "bubble_fraction": 0.39, "theory_bubble_fraction": 0.43},
+        "p2p": {"pairs": 24, "wait_s": 0.003, "transfer_s": 0.001, "links": links},
+        "stragglers": [{"rank": 2, "metric": "compute", "slowdown": 1.3, "cost_s": 0.004}],
+        "warnings": ["rank <b>9</b> missing & more"],
+    }
+
+
+@pytest.fixture(scope="module")
+def gpipe_run(tmp_path_factory):
+    return load_run(write_gpipe_run(tmp_path_factory.mktemp("gpipe")), use_cache=False)
+
+
+def _blocks_per_stage(fig, tl, phase):
+    """Count the blocks of one phase per pipeline stage from the figure's own data."""
+    stage_of_y = {lane.y: lane.stage for lane in tl.lanes}
+    counts = {}
+    for trace in fig.data:
+        if trace.meta and trace.meta["phase"] == phase and trace.visible:
+            ys = np.asarray(trace.y, dtype=float)[0::4]
+            for y in ys:
+                counts[stage_of_y[y]] = counts.get(stage_of_y[y], 0) + 1
+    return counts
+
+
+def test_timeline_blocks_match_the_schedule(gpipe_run):
+    p, m, tf, tb, g = 4, 4, 1.0, 2.0, 0.05  # ms
+    tl = build_timeline(gpipe_run.events, gpipe_run.layout)
+    assert tl.steps == [1]
+    assert [lane.stage for lane in tl.lanes] == [0, 1, 2, 3]
+    assert tl.lanes[2].label == "rank 2 · pp2"
+    b = tl.blocks
+    ev = gpipe_run.events
+    offset = (ev["start_ns"] - ev["raw_start_ns"]).groupby(ev["rank"]).first() / 1e6  # ms
+    origin = offset.min()
+    for rank in range(p):
+        mine = b[b["rank"] == rank]
+        assert (mine["phase"] == "F").sum() == m and (mine["phase"] == "B").sum() == m
+        n_p2p = (mine["row"] == "p2p").sum()
+        assert n_p2p == 2 * m * (1 if rank in (0, p - 1) else 2)
+        f = mine[mine["phase"] == "F"].sort_values("start_ms")
+        # ms since the step's start on aligned clocks: the earliest aligned ProfilerStep start
+        expected = [STEP_LEAD_US / 1000 + rank * (tf + g) + j * tf + offset[rank] - origin
+                    for j in range(m)]
+        np.testing.assert_allclose(f["start_ms"], expected, atol=1e-6)
+        np.testing.assert_allclose(f["dur_ns"], tf * 1e6, atol=1)
+    # idle inside the pipeline window = the GPipe bubble plus the two p2p hops per stage
+    idle = tl.idle.assign(ms=tl.idle["end_ms"] - tl.idle["start_ms"]).groupby("rank")["ms"].sum()
+    np.testing.assert_allclose(idle.to_numpy(), [(p - 1) * (tf + tb + 2 * g)] * p, atol=1e-6)
+
+
+def test_timeline_figure_counts_and_hover(gpipe_run):
+    tl = build_timeline(gpipe_run.events, gpipe_run.layout)
+    fig = timeline_figure(tl)
+    assert _blocks_per_stage(fig, tl, "F") == {s: 4 for s in range(4)}
+    assert _blocks_per_stage(fig, tl, "B") == {s: 4 for s in range(4)}
+    f = next(t for t in fig.data if t.meta["phase"] == "F")
+    assert np.isnan(np.asarray(f.x, dtype=float)[3::4]).all()  # gaps between blocks
+    assert "microbatch 2" in f.hovertext[8] and "+ 1000.000 µs" in f.hovertext[8]
+    labels = next(t for t in fig.data if t.meta["phase"] == "labels")
+    assert sorted(set(labels.text)) == sorted({f"{ph}{j}" for ph in "FB" for j in range(4)})
+    ticks = dict(zip(fig.layout.yaxis.tickvals, fig.layout.yaxis.ticktext))
+    assert ticks[tl.lanes[3].y] == "rank 3 · pp3"
+
+
+def test_hostile_names_are_escaped(tmp_path):
+    run = load_run(write_gpipe_run(tmp_path, hostile=True), use_cache=False)
+    fig = timeline_figure(build_timeline(run.events, run.layout))
+    hover = [h for t in fig.data if t.hovertext for h in t.hovertext if h]
+    assert any("&lt;img/src=x/onerror=alert(1)&gt;" in h for h in hover)
+    assert any("&lt;/script&gt;&lt;script&gt;alert(2)" in h for h in hover)
+    assert not any("<img" in h or "<script" in h or "</script" in h for h in hover)
+    html = render_html(run, synthetic_report(run.layout), {"timeline": fig})
+    # plotly.js, the figure's JSON block and the loader: data cannot close a script element
+    assert html.count("</script>") == 3
+    assert "<img/src" not in html and "<b>9</b>" not in html
+    assert esc("a<b>&c") == "a&lt;b&gt;&amp;c"
+
+
+def test_decimation_bounds_blocks_and_keeps_time():
+    rng = np.random.default_rng(0)
+    n = 40000
+    start = np.sort(rng.uniform(0, 100, n))
+    blocks = pd.DataFrame({
+        "step": 1, "rank": rng.integers(0, 4, n), "row": "compute", "phase": "F",
+        "start_ms": start, "end_ms": start + 0.001, "dur_ns": 1000, "name": "k", "mb": np.nan,
+        "chunk": np.nan, "peer": np.nan, "bytes": np.nan, "merged": 1,
+    })
+    out, merged = decimate(blocks, 2000)
+    assert len(out) <= 2000 and merged == n - len(out)
+    assert out["merged"].sum() == n and out["dur_ns"].sum() == blocks["dur_ns"].sum()
+    assert out["start_ms"].min() == blocks["start_ms"].min()
+    same, _ = decimate(blocks.head(100), 2000)
+    assert len(same) == 100
+
+
+def test_partition_bars_sum_to_step_time():
+    layout = Layout(tp=2, cp=1, pp=2, dp=1)
+    report = synthetic_report(layout, steps=(1, 2))
+    fig = partition_figure(report)
+    bars = [t for t in fig.data if t.type == "bar"]
+    total = np.sum([np.asarray(t.y, dtype=float) for t in bars], axis=0)
+    np.testing.assert_allclose(total, 20.0, atol=1e-9)  # ms
+    assert list(fig.data[0].x) == [f"rank {r} · {layout.describe(r)}" for r in (0, 1, 2, 3)]
+    compute = next(t for t in bars if t.name == "compute")
+    np.testing.assert_allclose(compute.y, [10.0, 11.0, 12.0, 13.0])
+
+
+def test_report_views_show_report_values():
+    layout = Layout(tp=1, cp=1, pp=4, dp=2)
+    report = synthetic_report(layout)
+    z = np.asarray(p2p_matrix_figure(report).data[0].z, dtype=float)
+    assert z.shape == (8, 8) and z[1, 2] == 512 and np.isnan(z[2, 1])
+    bubble = bubble_figure(report)
+    np.testing.assert_allclose(bubble.data[0].y, [40.0, 39.0, 38.0, 37.0])
+    comm = comm_figure(report)
+    dp = list(comm.data[1].x).index("dp")
+    np.testing.assert_allclose(comm.data[1].y[dp], 1000 * np.mean([0.0001 * (r + 1) for r in range(8)]))
+    strag = straggler_figure(report)
+    assert np.asarray(strag.data[0].z).shape == (8, 1) and "rank 2" in strag.layout.title.text
+    assert "no collective" in collectives_figure(report).layout.annotations[0].text
+    report["collectives"] = [{"dim": "dp", "op": "all_reduce", "wait_s": 0.002, "transfer_s": 0.001}]
+    np.testing.assert_allclose(collectives_figure(report).data[0].y, [2.0])
+
+
+def test_write_dashboard_is_self_contained(gpipe_run, tmp_path):
+    out = write_dashboard(gpipe_run, synthetic_report(gpipe_run.layout), tmp_path / "d" / "r.html")
+    html = out.read_text()
+    assert html.count("<script") == 1 + 7 + 1  # plotly.js once, a JSON block per figure, loader
+    assert html.count('type="application/json"') == 7
+    assert not re.search(r"<script[^>]+src=", html)  # nothing fetched from elsewhere
+    for key in ("timeline", "partition", "bubble", "comm", "p2p_links", "collectives", "stragglers"):
+        assert f'id="fig-{key}"' in html
+    assert "rank &lt;b&gt;9&lt;/b&gt; missing &amp; more" in html
+    assert "<b>schedule</b> gpipe" in html
+
+
+def test_plain_gpu_style_run_falls_back_to_kernels():
+    """No pptrace ranges: kernels are drawn instead, NCCL ones on the comm row."""
+    n = 6
+    ev = pd.DataFrame({
+        "rank": np.zeros(n + 1, dtype=np.int32), "category": ["step"] + ["kernel_compute", "kernel_comm"] * 3,
+        "name": ["ProfilerStep#0"] + ["gemm<float>", "ncclDevKernel_AllReduce"] * 3,
+        "op": None, "start_ns": np.arange(n + 1, dtype=np.int64) * 1000,
+        "end_ns": np.arange(n + 1, dtype=np.int64) * 1000 + 500, "dur_ns": 500, "step": 0,
+        "mb": pd.array([None] * (n + 1), dtype="Int64"), "chunk": pd.array([None] * (n + 1), dtype="Int64"),
+        "peer": pd.array([None] * (n + 1), dtype="Int64"), "bytes": pd.array([None] * (n + 1), dtype="Int64"),
+        "gpu_annotation": False,
+    })
+    ev.loc[0, "end_ns"] = 10_000
+    tl = build_timeline(ev, Layout(tp=1, cp=1, pp=1, dp=1))
+    assert sorted(tl.blocks["phase"].unique()) == ["kernel", "nccl"]
+    assert set(tl.blocks.loc[tl.blocks["phase"] == "nccl", "row"]) == {"comm"}
+    fig = timeline_figure(tl)
+    assert any("gemm&lt;float&gt;" in h for t in fig.data if t.hovertext for h in t.hovertext if h)
+
+
+def test_empty_report_gives_placeholders_not_errors():
+    empty = {"run": {}, "ranks": [], "warnings": []}
+    for builder in (partition_figure, bubble_figure, comm_figure, p2p_matrix_figure,
+                    collectives_figure, straggler_figure):
+        assert builder(empty).layout.annotations
+    run = SimpleNamespace(events=None, layout=None, warnings=["w"])
+    assert "<li>w</li>" in render_html(run, empty, {})
