@@ -1,0 +1,6 @@
+"""``python -m instrumented_model ...`` is ``python -m instrumented_model.train ...``."""
+import sys
+
+from .train import main
+
+sys.exit(main())
