@@ -1,0 +1,521 @@
+"""The normalized event schema: one row per complete ("X") trace event of one rank.
+
+Columns (dtype) — every loader output and every cached table has exactly these:
+
+=================  =========  ===================================================================
+rank               int32      global rank the trace belongs to
+lane               category   timeline row: ``"main"`` (the thread whose tid == pid),
+                              ``"thread:<tid> <thread name>"`` for other host threads (gloo's
+                              ``pt_gloo_runloop`` workers, autograd threads), ``"stream <n>"``
+                              for GPU streams
+lane_kind          category   ``"host"`` or ``"gpu"``
+pid, tid           int64      as in the trace (GPU events: pid = device, tid = stream)
+name               category   event name as written
+cat                category   torch.profiler category (cpu_op, user_annotation, kernel, ...)
+start_ns, end_ns   int64      **this rank's own clock**: baseTimeNanoseconds + ts*1000, exact to
+                              the nanosecond (ts is parsed from its decimal text when a float
+                              could not hold it). ``Run.events`` shifts them onto the reference
+                              clock and keeps the originals in raw_start_ns / raw_end_ns.
+dur_ns             int64      end_ns - start_ns
+kind, op           category   from :func:`pptrace.naming.parse_name`; null for other names
+mb, chunk, peer,   Int64      the contract-1 tags of that name (nullable). ``ring_step`` is the
+ring_step, layer,             ``step=`` tag (CP ring step), renamed so that it cannot be mistaken
+bucket, bytes                 for the profiler step below
+tags               category   JSON object of the remaining tags (e.g. ``{"what":"grad_norm"}``,
+                              ``{"op":"all_reduce"}`` for waits), null when there are none
+category           category   one of :data:`CATEGORIES`, see below
+step               int32      N of the ``ProfilerStep#N`` range containing the event, -1 outside;
+                              GPU work takes the step of the runtime call that launched it
+stream             Int64      GPU stream (kernels, memcpy, memset, gpu_user_annotation)
+correlation        Int64      CUDA correlation id (runtime call <-> GPU activity)
+external_id        Int64      Kineto "External id" (CPU op <-> GPU activity)
+is_nccl            bool       GPU kernel named ``nccl*Kernel*`` (ncclKernel_ and ncclDevKernel_)
+gpu_annotation     bool       a ``gpu_user_annotation``: a record_function range projected on
+                              a stream
+collective         category   record_param_comms / NCCL kernel "Collective name" (allreduce, ...)
+group_ranks        category   "Process Group Ranks" as written, e.g. ``"[0, 1]"``
+pg_name            category   "Process Group Name"
+in_nelems,         Int64      "In msg nelems" / "Out msg nelems"
+out_nelems
+dtype              category   "dtype" of the collective
+comm_seq           Int64      "Seq" of the collective where the trace has it
+=================  =========  ===================================================================
+
+``category`` (exactly one per event, decided by name and torch category):
+
+- ``compute``      a contract range of kind ``compute`` (``compute:fwd mb=3``)
+- ``comm:tp|cp|dp|ep``  a contract range of that kind, except waits
+- ``p2p``          a contract range of kind ``pp`` (send/recv of activations or gradients)
+- ``wait``         a contract range with op ``wait`` (``dp:wait op=all_reduce``), any kind
+- ``step``         ``ProfilerStep#N``
+- ``kernel_compute``  a GPU kernel that is not NCCL
+- ``kernel_comm``  an NCCL GPU kernel
+- ``memcpy``       ``gpu_memcpy`` / ``gpu_memset``
+- ``runtime``      ``cuda_runtime`` / ``cuda_driver`` calls
+- ``other``        everything else: aten/c10d ops, ``gloo:*`` work, user ranges with other names
+"""
+from __future__ import annotations
+
+import re
+import warnings as pywarnings
+
+import numpy as np
+import orjson
+import pandas as pd
+
+from .naming import parse_name
+
+SCHEMA_VERSION = 1
+
+CATEGORIES = (
+    "compute", "comm:tp", "comm:cp", "comm:dp", "comm:ep", "p2p", "wait", "step",
+    "kernel_compute", "kernel_comm", "memcpy", "runtime", "other",
+)
+#: Contract tags that get their own nullable int column (``step`` is stored as ring_step).
+TAG_COLUMNS = ("mb", "chunk", "peer", "ring_step", "layer", "bucket", "bytes")
+INT_COLUMNS = ("pid", "tid", "start_ns", "end_ns", "dur_ns")
+NULLABLE_INT_COLUMNS = (
+    *TAG_COLUMNS, "stream", "correlation", "external_id", "in_nelems", "out_nelems", "comm_seq",
+)
+CATEGORY_COLUMNS = (
+    "lane", "lane_kind", "name", "cat", "kind", "op", "tags", "category",
+    "collective", "group_ranks", "pg_name", "dtype",
+)
+BOOL_COLUMNS = ("is_nccl", "gpu_annotation")
+COLUMNS = (
+    "rank", "lane", "lane_kind", "pid", "tid", "name", "cat", "start_ns", "end_ns", "dur_ns",
+    "kind", "op", *TAG_COLUMNS, "tags", "category", "step", "stream", "correlation",
+    "external_id", "is_nccl", "gpu_annotation", "collective", "group_ranks", "pg_name",
+    "in_nelems", "out_nelems", "dtype", "comm_seq",
+)
+
+GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
+_NCCL_KERNEL = re.compile(r"^nccl\w*Kernel")
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+
+
+def profiler_step_number(name: str) -> int | None:
+    match = _STEP.match(name) if isinstance(name, str) else None
+    return int(match.group(1)) if match else None
+
+
+def is_nccl_kernel(name: str) -> bool:
+    return bool(_NCCL_KERNEL.match(name))
+
+
+def classify(name: str, cat: str | None) -> dict:
+    """Everything derived from an event's name and torch category alone.
+
+    Called once per distinct (name, cat), never per event, so it may be slow-ish.
+    """
+    out = {"kind": None, "op": None, "tags": None, **{t: None for t in TAG_COLUMNS}}
+    out["is_nccl"] = cat == "kernel" and is_nccl_kernel(name)
+    parsed = parse_name(name)
+    if parsed is not None:
+        out["kind"], out["op"] = parsed.kind, parsed.op
+        rest = {}
+        for key, value in parsed.tags.items():
+            column = "ring_step" if key == "step" else key
+            if column in TAG_COLUMNS and isinstance(value, int):
+                out[column] = value
+            else:
+                rest[key] = value
+        out["tags"] = orjson.dumps(rest, option=orjson.OPT_SORT_KEYS).decode() if rest else None
+    out["category"] = _category(parsed, name, cat, out["is_nccl"])
+    return out
+
+
+def _category(parsed, name: str, cat: str | None, nccl: bool) -> str:
+    if parsed is not None and not (cat and cat in GPU_CATS and cat != "gpu_user_annotation"):
+        if parsed.op == "wait":
+            return "wait"
+        if parsed.kind == "compute":
+            return "compute"
+        if parsed.kind == "pp":
+            return "p2p"
+        if parsed.kind in ("tp", "cp", "dp", "ep"):
+            return f"comm:{parsed.kind}"
+    if profiler_step_number(name) is not None:
+        return "step"
+    if cat == "kernel":
+        return "kernel_comm" if nccl else "kernel_compute"
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "memcpy"
+    if cat in ("cuda_runtime", "cuda_driver"):
+        return "runtime"
+    return "other"
+
+
+def tags_of(tags_json) -> dict:
+    """The ``tags`` column value back as a dict ({} for null)."""
+    if tags_json is None or tags_json != tags_json:  # None or NaN
+        return {}
+    return orjson.loads(tags_json)
+
+
+# -------------------------------------------------------------------------------------------
+# building the table from parsed events
+# -------------------------------------------------------------------------------------------
+_TS_TEXT = re.compile(rb'"ts"\s*:\s*(-?)(\d+)(?:\.(\d*))?')
+# Beyond 2**43 us a float64 ts is coarser than 1 ns (epoch-microsecond traces), so the
+# nanoseconds must come from the decimal text.
+_EXACT_FLOAT_US = float(2**43)
+_RPC_FIELDS = {
+    "collective": "Collective name", "group_ranks": "Process Group Ranks",
+    "pg_name": "Process Group Name", "in_nelems": "In msg nelems",
+    "out_nelems": "Out msg nelems", "dtype": "dtype", "comm_seq": "Seq",
+}
+_THREAD_PAREN = re.compile(r"^thread \d+ \((.*)\)\s*$")
+
+
+def _ns_from_text(sign: bytes, whole: bytes, frac: bytes) -> int:
+    frac = frac or b""
+    ns = int(whole) * 1000 + int((frac + b"000")[:3])
+    if len(frac) > 3 and frac[3:4] >= b"5":
+        ns += 1
+    return -ns if sign else ns
+
+
+def _ts_ns(ts: list, events: list, x_index: list, blob, warnings: list, path) -> np.ndarray:
+    t = np.asarray(ts, dtype=np.float64)
+    if t.size and np.abs(t).max() >= _EXACT_FLOAT_US and any(type(v) is float for v in ts):
+        if blob is not None:
+            texts = _TS_TEXT.findall(blob)
+            has_ts = [type(e) is dict and "ts" in e for e in events]
+            if len(texts) == sum(has_ts):
+                slot, position = [], 0
+                for has in has_ts:
+                    slot.append(position)
+                    position += has
+                return np.array([_ns_from_text(*texts[slot[i]]) for i in x_index], dtype=np.int64)
+        if not any("nanosecond" in w for w in warnings):
+            warnings.append(f"{path}: epoch-microsecond timestamps; nanosecond fractions rounded")
+        return np.rint(t * 1000.0).astype(np.int64)
+    # Split off the integer microseconds (exact) so the fraction keeps full float precision.
+    whole = np.floor(t)
+    return whole.astype(np.int64) * 1000 + np.rint((t - whole) * 1000.0).astype(np.int64)
+
+
+def _nullable(values: list):
+    kinds = {type(v) for v in values}
+    if kinds <= {int, type(None)}:
+        arr = np.array(values, dtype=object)
+        mask = np.equal(arr, None)
+        if not mask.all():
+            arr[mask] = 0
+            try:
+                return pd.arrays.IntegerArray(arr.astype(np.int64), mask)
+            except OverflowError:
+                pass
+    try:
+        with pywarnings.catch_warnings():
+            # ints beyond int64 pass through float on the way and warn: treat that as failure
+            pywarnings.simplefilter("error", RuntimeWarning)
+            return pd.array(values, dtype="Int64")
+    except (OverflowError, TypeError, ValueError, RuntimeWarning):
+        clean = [v if type(v) is int and -(2**63) <= v < 2**63 else None for v in values]
+        return pd.array(clean, dtype="Int64")
+
+
+def _thread_label(name: str | None) -> str:
+    if not name:
+        return ""
+    match = _THREAD_PAREN.match(name)
+    return match.group(1) if match else name.strip()
+
+
+def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
+    """Parsed event slices -> (DataFrame with COLUMNS, info dict). One pass per slice, so
+    only one slice's Python objects are alive at a time."""
+    cols = {k: [] for k in ("name", "cat", "pid", "tid", "stream", "correlation", "external_id")}
+    starts, durs, rpc, threads = [], [], {}, {}
+    dropped = 0
+    n_before = 0
+    for events, blob in slices:
+        try:
+            x_index = [i for i, e in enumerate(events) if e.get("ph") == "X"]
+        except AttributeError:  # a non-object in the array: skip it
+            x_index = [i for i, e in enumerate(events) if type(e) is dict and e.get("ph") == "X"]
+        xs = [events[i] for i in x_index]
+        pids, tids, ts = [e.get("pid") for e in xs], [e.get("tid") for e in xs], [e.get("ts") for e in xs]
+        # Kineto's own span events have string pids ("Spans"); drop anything not numeric.
+        if not ({type(v) for v in pids} | {type(v) for v in tids}) <= {int} or not {type(v) for v in ts} <= {int, float}:
+            ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pids, tids, ts)]
+            x_index = [i for i, good in zip(x_index, ok) if good]
+            xs = [events[i] for i in x_index]
+            dropped += len(ok) - len(xs)
+            pids, tids, ts = [e["pid"] for e in xs], [e["tid"] for e in xs], [e["ts"] for e in xs]
+        for e in [e for e in events if type(e) is dict and e.get("ph") == "M" and e.get("name") == "thread_name"]:
+            label = _thread_label((e.get("args") or {}).get("name"))
+            # Kineto may name one tid twice ("python", then the real worker name).
+            if label and (label != "python" or e.get("tid") not in threads):
+                threads[e.get("tid")] = label
+        cols["name"] += [e.get("name") for e in xs]
+        cols["cat"] += [e.get("cat") for e in xs]
+        cols["pid"] += pids
+        cols["tid"] += tids
+        args = [e.get("args") or _NO_ARGS for e in xs]
+        if {type(a) for a in args} != {dict}:
+            args = [a if type(a) is dict else _NO_ARGS for a in args]
+        cols["stream"] += [a.get("stream") for a in args]
+        cols["correlation"] += [a.get("correlation") for a in args]
+        cols["external_id"] += [a.get("External id") for a in args]
+        for i in [i for i, a in enumerate(args) if "Collective name" in a]:
+            rpc[n_before + i] = args[i]
+        starts.append(_ts_ns(ts, events, x_index, blob, warnings, path))
+        dur = [e.get("dur", 0) for e in xs]
+        if not {type(v) for v in dur} <= {int, float}:
+            dur = [v if type(v) in (int, float) else 0 for v in dur]
+        durs.append(np.rint(np.maximum(np.asarray(dur, dtype=np.float64), 0.0) * 1000.0).astype(np.int64))
+        n_before += len(xs)
+        del events, xs, args, pids, tids, ts
+    if dropped > 8:  # Kineto's own span events have string pids; more means a strange file
+        warnings.append(f"{path}: skipped {dropped} events without numeric pid/tid/ts")
+    n = n_before
+    start = (np.concatenate(starts) if starts else np.zeros(0, np.int64)) + base_ns
+    dur = np.concatenate(durs) if durs else np.zeros(0, np.int64)
+    df = pd.DataFrame({
+        "rank": np.full(n, rank, dtype=np.int32),
+        "pid": _int64(cols["pid"]), "tid": _int64(cols["tid"]),
+        "name": _categorical(cols["name"], ""),
+        "cat": _categorical(cols["cat"], None),
+        "start_ns": start, "end_ns": start + dur, "dur_ns": dur,
+    })
+    for key in ("stream", "correlation", "external_id"):
+        df[key] = _nullable(cols[key])
+    del cols
+    _add_classification(df)
+    gpu = df["cat"].isin(GPU_CATS).to_numpy()
+    # gpu_user_annotation events carry no "stream" arg; their tid is the stream.
+    no_stream = gpu & df["stream"].isna().to_numpy()
+    if no_stream.any():
+        df.loc[no_stream, "stream"] = df.loc[no_stream, "tid"].to_numpy()
+    main_tid = _main_tid(df, gpu)
+    _add_lanes(df, gpu, main_tid, threads)
+    _add_rpc(df, rpc)
+    _add_steps(df, gpu)
+    info = {
+        "threads": {int(k): v for k, v in threads.items()},
+        "main_tid": main_tid,
+        "profiler_steps": sorted(int(s) for s in df.loc[df["category"] == "step", "step"].unique()),
+        "n_events": n,
+    }
+    return df[list(COLUMNS)].sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True), info
+
+
+_NO_ARGS: dict = {}
+
+
+def _categorical(values: list, bad) -> pd.Categorical:
+    """Hash-factorize Python strings (much faster than pandas' Arrow string inference)."""
+    arr = np.array(values, dtype=object)
+    if {type(v) for v in values} - {str}:
+        arr = np.array([v if type(v) is str else bad for v in values], dtype=object)
+    codes, uniques = pd.factorize(arr)
+    return pd.Categorical.from_codes(codes, categories=pd.Index(uniques, dtype=object))
+
+
+def _int64(values: list) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        return np.asarray([v if -(2**63) <= v < 2**63 else -1 for v in values], dtype=np.int64)
+
+
+def _add_classification(df: pd.DataFrame) -> None:
+    names, cats = df["name"].cat, df["cat"].cat
+    ncat = len(cats.categories) + 1
+    key = names.codes.to_numpy().astype(np.int64) * ncat + (cats.codes.to_numpy().astype(np.int64) + 1)
+    uniq, inverse = np.unique(key, return_inverse=True)
+    infos = []
+    for k in uniq:
+        c = int(k % ncat) - 1
+        infos.append(classify(names.categories[int(k // ncat)], cats.categories[c] if c >= 0 else None))
+    for column in ("kind", "op", "tags", "category"):
+        codes, uniques = pd.factorize(pd.Series([d[column] for d in infos], dtype=object))
+        df[column] = pd.Categorical.from_codes(codes[inverse], categories=pd.Index(uniques, dtype=object))
+    for column in TAG_COLUMNS:
+        df[column] = pd.array([d[column] for d in infos], dtype="Int64").take(inverse)
+    df["is_nccl"] = np.asarray([d["is_nccl"] for d in infos], dtype=bool)[inverse] if infos else np.zeros(0, bool)
+
+
+def _main_tid(df: pd.DataFrame, gpu: np.ndarray) -> int | None:
+    host = df.loc[~gpu, ["pid", "tid", "category"]]
+    if host.empty:
+        return None
+    own = host.loc[host["pid"] == host["tid"], "tid"]
+    if not own.empty:
+        return int(own.mode().iloc[0])
+    stepped = host.loc[host["category"] == "step", "tid"]
+    return int((stepped if not stepped.empty else host["tid"]).mode().iloc[0])
+
+
+def _add_lanes(df: pd.DataFrame, gpu: np.ndarray, main_tid, threads: dict) -> None:
+    tid = df["tid"].to_numpy()
+    key = np.where(gpu, -1 - tid, tid)  # streams and host threads never share a key
+    uniq, inverse = np.unique(key, return_inverse=True)
+    labels = []
+    for k in uniq:
+        if k < 0:
+            labels.append(f"stream {-1 - k}")
+        elif k == main_tid:
+            labels.append("main")
+        else:
+            labels.append(f"thread:{k} {threads.get(int(k), '')}".rstrip())
+    df["lane"] = pd.Categorical.from_codes(inverse, categories=pd.Index(labels, dtype=object)) if len(uniq) else pd.Categorical([])
+    df["lane_kind"] = pd.Categorical(np.where(gpu, "gpu", "host"), categories=["host", "gpu"])
+    df["gpu_annotation"] = (df["cat"] == "gpu_user_annotation").to_numpy()
+
+
+def _add_rpc(df: pd.DataFrame, rpc: dict) -> None:
+    n = len(df)
+    rows = np.fromiter(rpc.keys(), dtype=np.int64, count=len(rpc))
+    for column, key in _RPC_FIELDS.items():
+        values = [rpc[r].get(key) for r in rows]
+        if column in NULLABLE_INT_COLUMNS:
+            full = pd.array([None] * n, dtype="Int64")
+            if len(rows):
+                full[rows] = _nullable([v if type(v) is int else None for v in values])
+            df[column] = full
+        else:
+            full = np.full(n, None, dtype=object)
+            if len(rows):
+                full[rows] = [str(v) if v is not None else None for v in values]
+            df[column] = pd.Categorical(full)
+
+
+def _add_steps(df: pd.DataFrame, gpu: np.ndarray) -> None:
+    step = np.full(len(df), -1, dtype=np.int32)
+    marks = df.loc[(df["category"] == "step").to_numpy() & ~gpu, ["name", "start_ns", "end_ns"]]
+    if not marks.empty:
+        marks = marks.assign(n=[profiler_step_number(x) for x in marks["name"]]).sort_values("start_ns")
+        s0, s1, num = (marks[c].to_numpy() for c in ("start_ns", "end_ns", "n"))
+        start = df["start_ns"].to_numpy()
+        i = np.searchsorted(s0, start, side="right") - 1
+        inside = (i >= 0) & (start < s1[np.clip(i, 0, None)])
+        step = np.where(inside, num[np.clip(i, 0, None)], -1).astype(np.int32)
+        # GPU work runs after its step's CPU side: give it the step of the launching call.
+        corr = df["correlation"]
+        launch = (~gpu) & corr.notna().to_numpy()
+        if gpu.any() and launch.any():
+            by_corr = pd.Series(step[launch], index=corr[launch].to_numpy())
+            by_corr = by_corr[~by_corr.index.duplicated()]
+            g = gpu & corr.notna().to_numpy()
+            mapped = by_corr.reindex(corr[g].to_numpy()).to_numpy()
+            step[g] = np.where(pd.isna(mapped), step[g], mapped).astype(np.int32)
+    df["step"] = step
+
+
+# -------------------------------------------------------------------------------------------
+# Arrow round trip (cache files, worker -> parent), with one fixed schema for every rank
+# -------------------------------------------------------------------------------------------
+def arrow_schema():
+    import pyarrow as pa
+
+    fields = []
+    for column in COLUMNS:
+        if column in CATEGORY_COLUMNS:
+            kind = pa.dictionary(pa.int32(), pa.string())
+        elif column in BOOL_COLUMNS:
+            kind = pa.bool_()
+        elif column in ("rank", "step"):
+            kind = pa.int32()
+        else:
+            kind = pa.int64()
+        fields.append(pa.field(column, kind))
+    return pa.schema(fields)
+
+
+def to_arrow(df: pd.DataFrame):
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    arrays = []
+    for field in schema:
+        col = df[field.name]
+        if field.name in CATEGORY_COLUMNS:
+            cat = col.astype("category").cat
+            codes = cat.codes.to_numpy().astype(np.int32)
+            values = pa.array([str(v) for v in cat.categories], type=pa.string())
+            arrays.append(pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), values))
+        elif field.name in NULLABLE_INT_COLUMNS:
+            arrays.append(pa.array(col.to_numpy(dtype=np.int64, na_value=0), mask=col.isna().to_numpy(), type=pa.int64()))
+        else:
+            arrays.append(pa.array(col.to_numpy(), type=field.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def from_arrow(table) -> pd.DataFrame:
+    """Arrow table(s) in :func:`arrow_schema` -> DataFrame with the documented dtypes."""
+    import pyarrow as pa
+
+    if table.num_rows == 0:
+        return empty_frame()
+    table = table.unify_dictionaries()
+    # self_destruct frees each Arrow column once converted: the peak holds one copy, not two.
+    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get, self_destruct=True, split_blocks=True)
+    del table
+    for column in INT_COLUMNS:
+        df[column] = df[column].to_numpy(dtype=np.int64)
+    return df
+
+
+def empty_frame() -> pd.DataFrame:
+    data = {}
+    for column in COLUMNS:
+        if column in CATEGORY_COLUMNS:
+            data[column] = pd.Categorical([])
+        elif column in NULLABLE_INT_COLUMNS:
+            data[column] = pd.array([], dtype="Int64")
+        elif column in BOOL_COLUMNS:
+            data[column] = np.zeros(0, dtype=bool)
+        elif column in ("rank", "step"):
+            data[column] = np.zeros(0, dtype=np.int32)
+        else:
+            data[column] = np.zeros(0, dtype=np.int64)
+    return pd.DataFrame(data)
+
+
+def frame_from_tables(tables: list) -> pd.DataFrame:
+    """Many per-rank Arrow tables -> one DataFrame, column by column into preallocated
+    arrays, emptying ``tables`` as it goes: the peak is the result plus the inputs, not the
+    result plus a concatenated copy plus pandas' conversion buffers."""
+    import pyarrow as pa
+
+    if not tables or sum(t.num_rows for t in tables) == 0:
+        tables.clear()
+        return empty_frame()
+    n = sum(t.num_rows for t in tables)
+    columns: dict = {}
+    for field in arrow_schema():
+        name = field.name
+        if name in CATEGORY_COLUMNS:
+            codes = np.empty(n, dtype=np.int32)
+            lookup: dict = {}
+            pos = 0
+            for t in tables:
+                chunk = t.column(name).combine_chunks()
+                values = chunk.dictionary.to_pylist()
+                remap = np.array([lookup.setdefault(v, len(lookup)) for v in values] or [0], dtype=np.int32)
+                idx = chunk.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int32)
+                codes[pos:pos + len(idx)] = np.where(idx >= 0, remap[np.clip(idx, 0, None)], -1)
+                pos += len(idx)
+            columns[name] = pd.Categorical.from_codes(codes, categories=pd.Index(list(lookup), dtype=object))
+        elif name in NULLABLE_INT_COLUMNS:
+            data, mask, pos = np.empty(n, dtype=np.int64), np.empty(n, dtype=bool), 0
+            for t in tables:
+                col = t.column(name)
+                data[pos:pos + len(col)] = col.fill_null(0).to_numpy()
+                mask[pos:pos + len(col)] = col.is_null().to_numpy()
+                pos += len(col)
+            columns[name] = pd.arrays.IntegerArray(data, mask)
+        else:
+            dtype = np.bool_ if name in BOOL_COLUMNS else (np.int32 if name in ("rank", "step") else np.int64)
+            out, pos = np.empty(n, dtype=dtype), 0
+            for t in tables:
+                col = t.column(name).to_numpy()
+                out[pos:pos + len(col)] = col
+                pos += len(col)
+            columns[name] = out
+    tables.clear()
+    return pd.DataFrame(columns, copy=False)

@@ -1,0 +1,426 @@
+"""Per-rank trace file -> normalized events (see events.py), fast and with bounded memory.
+
+A torch.profiler trace is one JSON document whose ``traceEvents`` array holds every event.
+Parsing it whole with orjson needs ~8x the file size in Python objects, so the array is cut
+into slices of a few MB at event boundaries and each slice is parsed and turned into columns
+before the next one. A raw newline cannot occur inside a JSON string, so a cut at
+``}\\n  {`` / ``}, {`` that lands inside an event makes that slice unparseable (unbalanced
+braces); the loader then falls back to parsing the whole document, never to a wrong answer.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import zlib
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import orjson
+
+from .errors import TraceError
+from .events import build_frame
+
+#: Separators between events, most specific first: Kineto's indented output, then compact.
+_SEPARATORS = (b"\n  },\n  {", b"}, {", b"},{")
+_CHUNK_BYTES = 4 << 20
+_HEADER_PEEK = 1 << 20
+_EVENTS_KEY = b'"traceEvents"'
+_TRACE_SUFFIXES = (".json", ".json.gz")
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a directory, not a trace file") from None
+    except OSError as exc:
+        raise TraceError(
+            f"cannot read {path}: {exc.strerror or exc}; check that the file exists and is readable"
+        ) from None
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise TraceError(
+                f"{path}: corrupt or truncated gzip ({exc}); re-copy the file or re-run the profiler"
+            ) from None
+    if not data.strip():
+        raise TraceError(f"{path}: empty file; the rank probably died before writing its trace")
+    return data
+
+
+def _loads(blob: bytes, path: Path, warnings: list):
+    """orjson, with the slow fallbacks that real traces need: ints beyond 64 bits (json
+    keeps them as Python ints) and invalid UTF-8 (replaced, with a warning)."""
+    try:
+        return orjson.loads(blob)
+    except orjson.JSONDecodeError as exc:
+        message = str(exc)
+    if "UTF-8" in message or "utf-8" in message:
+        warnings.append(f"{path}: invalid UTF-8 in the trace; bad bytes replaced by U+FFFD")
+        return _loads(blob.decode("utf-8", "replace").encode("utf-8"), path, [])
+    try:
+        return json.loads(blob)
+    except (ValueError, RecursionError):
+        raise orjson.JSONDecodeError(message, "", 0) from None
+
+
+def _locate_events(data: bytes):
+    """(header bytes with an empty events array, events start, events end or None)."""
+    key = data.find(_EVENTS_KEY)
+    if key < 0:
+        return None
+    start = data.find(b"[", key + len(_EVENTS_KEY))
+    if start < 0 or data[key + len(_EVENTS_KEY):start].strip(b" \t\r\n:"):
+        return None
+    # The array's closing bracket is among the last few ']' (only short metadata such as
+    # traceName follows it); the right one is the one that leaves a valid document.
+    end, tries = len(data), 0
+    while tries < 64:
+        end = data.rfind(b"]", start, end)
+        if end < 0:
+            break
+        # The array ends right after an event's '}' (or is empty); a ']' after anything else
+        # closes a metadata list such as Kineto's trailing "INFO": [...].
+        if data[start:end].rstrip()[-1:] not in (b"}", b"["):
+            continue
+        head = data[:start] + b"[]" + data[end + 1:]
+        try:
+            orjson.loads(head)
+            return head, start + 1, end
+        except orjson.JSONDecodeError:
+            tries += 1
+    return data[:start] + b"[]}", start + 1, None  # truncated: no closing bracket found
+
+
+def _cut_points(data: bytes, start: int, end: int) -> list[int]:
+    sep = next((s for s in _SEPARATORS if data.find(s, start, min(end, start + _CHUNK_BYTES)) >= 0), None)
+    cuts = [start]
+    if sep is not None:
+        pos = start + _CHUNK_BYTES
+        while pos < end:
+            hit = data.find(sep, pos, end)
+            if hit < 0:
+                break
+            cuts.append(hit + sep.index(b"}") + 1)  # just after the closing brace of an event
+            pos = hit + _CHUNK_BYTES
+    cuts.append(end)
+    return cuts
+
+
+def _parse_slices(data: bytes, start: int, end: int, path: Path, warnings: list):
+    """Yield (events, slice bytes) for each slice of the events array."""
+    cuts = _cut_points(data, start, end)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        piece = data[a:b].strip(b", \n\t\r")
+        blob = b"[" + piece + b"]"
+        yield _loads(blob, path, warnings), blob
+
+
+def _salvage_truncated(data: bytes, start: int, path: Path, warnings: list):
+    """Events before the cut of a trace whose writer died mid-file."""
+    body = data[start:]
+    for sep in _SEPARATORS:
+        cut = body.rfind(sep)
+        while cut > 0:
+            blob = b"[" + body[: cut + sep.index(b"}") + 1].strip(b", \n\t\r") + b"]"
+            try:
+                events = _loads(blob, path, warnings)
+            except orjson.JSONDecodeError:
+                cut = body.rfind(sep, 0, cut)
+                continue
+            warnings.append(
+                f"{path}: truncated trace (the rank died while writing it?); using the "
+                f"{len(events)} events before the cut"
+            )
+            return [(events, blob)]
+    return None
+
+
+def parse_document(path, data: bytes | None = None, whole: bool = False):
+    """-> (header dict, iterable of (events list, raw slice bytes), warnings).
+
+    The slices are parsed lazily, one at a time as the caller iterates; a slice that does
+    not parse raises orjson.JSONDecodeError from the iteration, and the caller then asks
+    again with ``whole=True`` (see load_rank).
+    """
+    path = Path(path)
+    warnings: list = []
+    if data is None:
+        data = _read_bytes(path)
+    located = None if whole else _locate_events(data)
+    if located is not None:
+        head_bytes, start, end = located
+        try:
+            header = _loads(head_bytes, path, warnings)
+        except orjson.JSONDecodeError:
+            header = None
+        if isinstance(header, dict):
+            if end is not None:
+                return header, _parse_slices(data, start, end, path, warnings), warnings
+            slices = _salvage_truncated(data, start, path, warnings)
+            if slices is not None:
+                return header, slices, warnings
+    try:
+        doc = _loads(data, path, warnings)
+    except orjson.JSONDecodeError as exc:
+        raise TraceError(
+            f"{path}: not valid JSON ({str(exc).splitlines()[0]}); the file is truncated or is "
+            "not a torch.profiler trace"
+        ) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise TraceError(
+            f"{path}: JSON without a 'traceEvents' list, so not a torch.profiler / Chrome trace; "
+            "point pptrace at the run's traces/ directory"
+        )
+    events = doc.pop("traceEvents")
+    return doc, [(events, None)], warnings
+
+
+# -------------------------------------------------------------------------------------------
+# headers and files
+# -------------------------------------------------------------------------------------------
+
+
+def _normalize_header(header: dict, path: Path) -> dict:
+    block = header.get("pptrace")
+    if isinstance(block, str):  # add_metadata_json may leave the value as a string
+        try:
+            block = orjson.loads(block)
+        except orjson.JSONDecodeError:
+            block = None
+    header = dict(header)
+    header["pptrace"] = block if isinstance(block, dict) else None
+    dist = header.get("distributedInfo")
+    header["distributedInfo"] = dist if isinstance(dist, dict) else None
+    return header
+
+
+def read_header(path) -> dict:
+    """The top-level metadata of a trace (distributedInfo, pptrace block, baseTimeNanoseconds,
+    ...) without building the events table. Kineto writes it before the events, so usually
+    only the first kilobytes are decompressed."""
+    path = Path(path)
+    try:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rb") as fh:
+            prefix = fh.read(_HEADER_PEEK)
+    except (OSError, EOFError, zlib.error):
+        prefix = b""
+    key = prefix.find(_EVENTS_KEY)
+    if key >= 0:
+        bracket = prefix.find(b"[", key)
+        if bracket >= 0:
+            try:
+                header = orjson.loads(prefix[:bracket] + b"[]}")
+                if isinstance(header, dict):
+                    return _normalize_header(header, path)
+            except orjson.JSONDecodeError:
+                pass
+    header, _, _ = parse_document(path)
+    return _normalize_header(header, path)
+
+
+def rank_of(header: dict, path) -> int | None:
+    """pptrace block, then distributedInfo, then a ``rank{r}`` in the file name."""
+    for source in (header.get("pptrace") or {}, header.get("distributedInfo") or {}):
+        rank = source.get("rank")
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+            return rank
+    match = _RANK_IN_NAME.search(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_trace_name(name: str) -> bool:
+    return name.endswith(_TRACE_SUFFIXES) and not name.startswith(".")
+
+
+def find_trace_files(run_dir) -> list[Path]:
+    """Trace files of a run: ``run_dir/traces/`` if it exists, else ``run_dir`` itself
+    (``.json``, ``.json.gz``, ``*.pt.trace.json[.gz]``), sorted by name. A path to a single
+    file is returned as is."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise TraceError(f"{run_dir}: no such file or directory; give a run directory or a trace file")
+    if run_dir.is_file():
+        return [run_dir]
+    trace_dir = run_dir / "traces" if (run_dir / "traces").is_dir() else run_dir
+    try:
+        names = sorted(os.listdir(trace_dir))
+    except OSError as exc:
+        raise TraceError(f"cannot list {trace_dir}: {exc.strerror or exc}; check its permissions") from None
+    files = [trace_dir / n for n in names if is_trace_name(n) and not (trace_dir / n).is_dir()]
+    if not files:
+        raise TraceError(
+            f"{run_dir}: no trace files (*.json, *.json.gz) here or in {run_dir}/traces/; "
+            "did the profiled steps run? (pptrace.profile writes traces/rank<r>.json.gz)"
+        )
+    return files
+
+
+def _base_ns(header: dict) -> int:
+    base = header.get("baseTimeNanoseconds")
+    if not isinstance(base, int) or isinstance(base, bool) or abs(base) >= 2**62:
+        return 0  # older traces write ts as epoch microseconds and no base
+    return base
+
+
+def load_rank(path, rank: int | None = None):
+    """Parse one rank's trace -> (events DataFrame in the events.py schema, meta dict).
+
+    ``meta`` holds: path, rank, world_size, base_ns, pptrace (the block or None),
+    distributed (distributedInfo or None), hostname, threads {tid: name}, profiler_steps,
+    n_events, warnings (list of strings). Raises TraceError for files that are not traces.
+    """
+    path = Path(path)
+    data = _read_bytes(path)
+    header, slices, warnings = parse_document(path, data)
+    header = _normalize_header(header, path)
+    base = _base_ns(header)
+    rank = rank if rank is not None else rank_of(header, path)
+    try:
+        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings)
+    except orjson.JSONDecodeError:
+        # A cut landed inside an event (an unusual layout): parse the whole document.
+        header, slices, warnings = parse_document(path, data, whole=True)
+        header = _normalize_header(header, path)
+        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings)
+    del data, slices
+    if rank is None:
+        rank = rank_of(header, path)
+    if rank is None:
+        warnings.append(f"{path}: no rank in the trace or its name; assuming rank 0")
+        rank = 0
+    dist = header.get("distributedInfo")
+    block = header.get("pptrace")
+    world = (block or {}).get("world_size") or (dist or {}).get("world_size")
+    meta = {
+        "path": str(path),
+        "rank": rank,
+        "world_size": world if isinstance(world, int) else None,
+        "base_ns": base,
+        "pptrace": block,
+        "distributed": dist,
+        "hostname": (block or {}).get("hostname") or header.get("host_name"),
+        **info,
+        "warnings": warnings,
+    }
+    return frame, meta
+
+
+# -------------------------------------------------------------------------------------------
+# many ranks: parallel, cached
+# -------------------------------------------------------------------------------------------
+# Below this much trace data a process pool costs more (fork, pickling) than it saves.
+_POOL_MIN_BYTES = 8 << 20
+
+
+def _parse_job(path: str, rank: int | None, out: str | None):
+    """Worker: parse one trace, write its table to Parquet (cache entry or ``out``)."""
+    from . import cache
+    from .events import to_arrow
+
+    try:
+        frame, meta = load_rank(path, rank)
+    except TraceError as exc:
+        return None, None, str(exc)
+    except (ValueError, TypeError, KeyError, OverflowError, MemoryError) as exc:
+        # Data this loader did not foresee: lose this rank, keep the others.
+        return None, None, f"{path}: could not be loaded ({type(exc).__name__}: {exc}); please report this trace"
+    table = to_arrow(frame)
+    del frame
+    if out is None:
+        written = cache.write(path, table, meta)
+        if written is not None:
+            return str(written), meta, None
+        out = tempfile.mkstemp(suffix=".parquet")[1]
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, out)
+    return out, meta, None
+
+
+def _progress(enabled, total: int):
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled or total < 2:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+    )
+
+
+def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, progress=None):
+    """Load many traces -> (list of (pyarrow Table, meta) in job order, errors).
+
+    ``jobs`` is a list of (path, rank or None). Valid cache entries are read directly; the
+    rest are parsed in up to ``workers`` processes (default: CPU count), each of which
+    writes a Parquet table that the parent reads, so the parent never holds raw JSON.
+    ``errors`` lists one line per file that could not be loaded (its slot is None).
+    """
+    import pyarrow.parquet as pq
+
+    from . import cache
+
+    results: list = [None] * len(jobs)
+    errors: list[str] = []
+    todo = []
+    for i, (path, rank) in enumerate(jobs):
+        hit = cache.read(path) if use_cache else None
+        if hit is not None:
+            results[i] = hit
+        else:
+            todo.append(i)
+    if not todo:
+        return results, errors
+    tmpdir = None if use_cache else tempfile.TemporaryDirectory(prefix="pptrace-")
+    outs = {i: (None if use_cache else os.path.join(tmpdir.name, f"{i}.parquet")) for i in todo}
+    sizes = sum(os.path.getsize(jobs[i][0]) for i in todo if os.path.exists(jobs[i][0]))
+    n_workers = min(len(todo), workers or os.cpu_count() or 1)
+    bar = _progress(progress, len(todo))
+
+    def collect(i, outcome):
+        written, meta, error = outcome
+        if error is not None:
+            errors.append(error)
+            return
+        results[i] = (pq.read_table(written), meta)
+        if written != str(cache.cache_path(jobs[i][0])):
+            os.unlink(written)
+
+    try:
+        task = bar.add_task("loading traces", total=len(todo)) if bar else None
+        if bar:
+            bar.start()
+        if n_workers > 1 and sizes >= _POOL_MIN_BYTES:
+            with ProcessPoolExecutor(max_workers=n_workers) as pool:
+                futures = {pool.submit(_parse_job, str(jobs[i][0]), jobs[i][1], outs[i]): i for i in todo}
+                for future in as_completed(futures):
+                    try:
+                        outcome = future.result()
+                    except Exception as exc:  # a worker died (out of memory, killed)
+                        outcome = (None, None, f"{jobs[futures[future]][0]}: worker failed ({type(exc).__name__}: {exc})")
+                    collect(futures[future], outcome)
+                    if bar:
+                        bar.advance(task)
+        else:
+            for i in todo:
+                collect(i, _parse_job(str(jobs[i][0]), jobs[i][1], outs[i]))
+                if bar:
+                    bar.advance(task)
+    finally:
+        if bar:
+            bar.stop()
+        if tmpdir is not None:
+            tmpdir.cleanup()
+    return results, errors

@@ -1,0 +1,248 @@
+"""Cross-rank matching: p2p sends with their recvs, collective calls into instances.
+
+Matching uses names, tags, the layout and *order of occurrence* only, never timestamps,
+so it runs before clock alignment (align.py needs its output) and gives the same answer
+after it. Times in the outputs come from whatever clocks ``events`` carries.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .topology import Layout
+
+PAIR_COLUMNS = (
+    "kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "bytes",
+    "send_index", "recv_index", "send_start_ns", "send_end_ns", "recv_start_ns", "recv_end_ns",
+    "wait_ns", "transfer_ns",
+)
+INSTANCE_COLUMNS = (
+    "instance", "source", "kind", "op", "name", "step", "group", "group_size", "n_present",
+    "complete", "rank", "index", "arrive_ns", "leave_ns",
+)
+#: Which layout dimensions a collective of each kind spans. Megatron syncs gradients over
+#: the data-parallel group *with* context parallelism, so dp collectives span dp x cp.
+KIND_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp"), "ep": ("dp",), "pp": ("pp",)}
+#: Tags that mark a collective over all ranks whatever its kind (the grad-norm all-reduce).
+WORLD_TAGS = ('"what":"grad_norm"', '"group":"world"')
+_P2P_KINDS = ("pp", "cp")
+_KEY = ["kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step"]
+
+
+def _int(col: pd.Series, fill: int = -1) -> np.ndarray:
+    return col.astype("Int64").fillna(fill).to_numpy(np.int64)
+
+
+def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
+    """Host send/recv ranges of pp and cp with a peer, one row each, in time order."""
+    # Filter on the cheap categorical columns first; string tests only on what is left.
+    pre = (events["kind"].isin(_P2P_KINDS) & events["peer"].notna() & (events["lane_kind"] == "host")
+           & ~events["gpu_annotation"]).to_numpy()
+    ev = events[pre]
+    op = ev["op"].astype(object)
+    is_send = op.str.startswith("send_", na=False).to_numpy()
+    keep = is_send | op.str.startswith("recv_", na=False).to_numpy()
+    ev, op, send = ev[keep], op[keep], is_send[keep]
+    rank, peer = ev["rank"].to_numpy(np.int64), _int(ev["peer"])
+    out = pd.DataFrame({
+        "index": ev.index.to_numpy(),
+        "rank": rank,
+        "is_send": send,
+        "kind": ev["kind"].astype(str).to_numpy(),
+        "direction": op.str.slice(5).to_numpy(),  # send_fwd -> fwd, recv_kv -> kv
+        "src": np.where(send, rank, peer),
+        "dst": np.where(send, peer, rank),
+        "mb": _int(ev["mb"]), "chunk": _int(ev["chunk"]), "ring_step": _int(ev["ring_step"]),
+        "layer": _int(ev["layer"]), "step": ev["step"].to_numpy(np.int64),
+        "bytes": _int(ev["bytes"], 0),
+        "start_ns": ev["start_ns"].to_numpy(np.int64), "end_ns": ev["end_ns"].to_numpy(np.int64),
+    })
+    return out.sort_values(["start_ns", "index"], kind="stable").reset_index(drop=True)
+
+
+def _pair_by(sends: pd.DataFrame, recvs: pd.DataFrame, key: list) -> pd.DataFrame:
+    sends = sends.assign(occ=sends.groupby(key, sort=False).cumcount())
+    recvs = recvs.assign(occ=recvs.groupby(key, sort=False).cumcount())
+    return sends.merge(recvs, on=[*key, "occ"], suffixes=("_s", "_r"))
+
+
+def match_p2p(events: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Pair every send with its recv -> (pairs with PAIR_COLUMNS, warnings).
+
+    Key: (kind, src, dst, direction, mb, chunk, ring step, layer, profiler step) plus the
+    order of occurrence of that key. Ranges the first pass leaves unmatched are tried again
+    without chunk, in case a trainer tags the sender's chunk on one side and the
+    receiver's on the other (they differ where the interleaved ring wraps around).
+    """
+    ops = p2p_ops(events)
+    sends, recvs = ops[ops["is_send"]], ops[~ops["is_send"]]
+    first = _pair_by(sends, recvs, _KEY)
+    used_s, used_r = set(first["index_s"]), set(first["index_r"])
+    rest_s = sends[~sends["index"].isin(used_s)]
+    rest_r = recvs[~recvs["index"].isin(used_r)]
+    parts = [first]
+    if len(rest_s) and len(rest_r):
+        loose = [k for k in _KEY if k != "chunk"]
+        second = _pair_by(rest_s.drop(columns="chunk"), rest_r.drop(columns="chunk"), loose)
+        second["chunk"] = -1
+        parts.append(second)
+        rest_s = rest_s[~rest_s["index"].isin(set(second["index_s"]))]
+        rest_r = rest_r[~rest_r["index"].isin(set(second["index_r"]))]
+    m = pd.concat(parts, ignore_index=True)
+    pairs = pd.DataFrame({
+        "kind": m["kind"], "src": m["src"], "dst": m["dst"], "direction": m["direction"],
+        "mb": m["mb"], "chunk": m["chunk"], "ring_step": m["ring_step"], "layer": m["layer"],
+        "step": m["step"], "bytes": m["bytes_s"],
+        "send_index": m["index_s"], "recv_index": m["index_r"],
+        "send_start_ns": m["start_ns_s"], "send_end_ns": m["end_ns_s"],
+        "recv_start_ns": m["start_ns_r"], "recv_end_ns": m["end_ns_r"],
+    })
+    pairs["wait_ns"] = np.maximum(0, pairs["send_start_ns"] - pairs["recv_start_ns"])
+    pairs["transfer_ns"] = pairs["recv_end_ns"] - np.maximum(pairs["send_start_ns"], pairs["recv_start_ns"])
+    pairs = pairs.sort_values(["send_start_ns", "send_index"], kind="stable").reset_index(drop=True)
+    warnings = []
+    for side, rest in (("send", rest_s), ("recv", rest_r)):
+        if len(rest):
+            row = rest.iloc[0]
+            warnings.append(
+                f"{len(rest)} p2p {side}s have no matching {'recv' if side == 'send' else 'send'} "
+                f"(first: rank {row['rank']} {row['kind']}:{side}_{row['direction']} "
+                f"src {row['src']} -> dst {row['dst']} mb={row['mb']} step {row['step']}); "
+                "a peer's trace may be missing or cover other steps"
+            )
+    return pairs[list(PAIR_COLUMNS)], warnings
+
+
+# -------------------------------------------------------------------------------------------
+# collectives
+# -------------------------------------------------------------------------------------------
+def group_of(kind: str, tags_json, rank: int, layout: Layout) -> tuple[int, ...]:
+    """The ranks a contract collective of ``kind`` on ``rank`` spans."""
+    if isinstance(tags_json, str) and any(t in tags_json for t in WORLD_TAGS):
+        return tuple(range(layout.world_size))
+    dims = KIND_DIMS.get(kind, ("dp",))
+    ranks = {rank}
+    for dim in dims:
+        ranks = {r2 for r in ranks for r2 in layout.group_ranks(dim, r)}
+    return tuple(sorted(ranks))
+
+
+def _instances(calls: pd.DataFrame, source: str) -> pd.DataFrame:
+    """calls: rank, index, kind, op, name, step, group (tuple), arrive_ns, leave_ns.
+    The k-th call of one (name, step, group) on each rank of the group is instance k."""
+    if calls.empty:
+        return pd.DataFrame(columns=list(INSTANCE_COLUMNS))
+    calls = calls.sort_values(["arrive_ns", "index"], kind="stable")
+    key = ["name", "step", "group"]
+    calls = calls.assign(occ=calls.groupby(key + ["rank"], sort=False).cumcount())
+    ids = calls.groupby(key + ["occ"], sort=False).ngroup()
+    calls = calls.assign(instance=ids.to_numpy())
+    calls["n_present"] = calls.groupby("instance")["rank"].transform("size")
+    calls["group_size"] = calls["group"].map(len)
+    calls["complete"] = calls["n_present"] == calls["group_size"]
+    calls["source"] = source
+    calls["group"] = calls["group"].map(lambda g: ",".join(map(str, g)))
+    return calls[list(INSTANCE_COLUMNS)]
+
+
+def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple[pd.DataFrame, list[str]]:
+    """Group collective calls into instances across the ranks of their group ->
+    (long table, one row per (instance, rank), INSTANCE_COLUMNS; warnings).
+
+    Host ranges of kinds tp/cp/dp/ep that are not p2p and not waits (group from the layout
+    via KIND_DIMS, or all ranks for the grad-norm all-reduce), and on GPU traces the NCCL
+    collective kernels (group from their "Process Group Ranks"). An instance lacking a rank
+    that was loaded is reported as a warning, never dropped silently.
+    """
+    loaded = set(int(r) for r in (ranks if ranks is not None else events["rank"].unique()))
+    host = (
+        events["kind"].isin(["tp", "cp", "dp", "ep"]) & (events["lane_kind"] == "host")
+        & ~events["gpu_annotation"] & (events["op"] != "wait")
+    ).to_numpy()
+    ev = events[host]
+    op = ev["op"].astype(object)
+    ev = ev[~(op.str.startswith("send_", na=False) | op.str.startswith("recv_", na=False)).to_numpy()]
+    groups = {}
+    group_col = []
+    for kind, tags, rank in zip(ev["kind"].astype(str), ev["tags"].astype(object), ev["rank"]):
+        k = (kind, tags if isinstance(tags, str) else None, int(rank))
+        if k not in groups:
+            groups[k] = group_of(kind, k[1], k[2], layout) if k[2] < layout.world_size else (k[2],)
+        group_col.append(groups[k])
+    host_calls = pd.DataFrame({
+        "rank": ev["rank"].to_numpy(np.int64), "index": ev.index.to_numpy(),
+        "kind": ev["kind"].astype(str).to_numpy(), "op": ev["op"].astype(str).to_numpy(),
+        "name": ev["name"].astype(str).to_numpy(), "step": ev["step"].to_numpy(np.int64),
+        "group": pd.Series(group_col, dtype=object, index=ev.index).to_numpy(),
+        "arrive_ns": ev["start_ns"].to_numpy(np.int64), "leave_ns": ev["end_ns"].to_numpy(np.int64),
+    })
+    parts = [_instances(host_calls, "range")]
+    nccl = events[(events["is_nccl"] & events["collective"].notna() & events["group_ranks"].notna()).to_numpy()]
+    if len(nccl):
+        group = nccl["group_ranks"].astype(str).map(_parse_ranks)
+        ok = group.map(bool).to_numpy()
+        nccl, group = nccl[ok], group[ok]
+        coll = nccl["collective"].astype(str)
+        parts.append(_instances(pd.DataFrame({
+            "rank": nccl["rank"].to_numpy(np.int64), "index": nccl.index.to_numpy(),
+            "kind": "nccl", "op": coll.to_numpy(),
+            "name": (coll + " " + nccl["pg_name"].astype(str)).to_numpy(),
+            "step": nccl["step"].to_numpy(np.int64), "group": group.to_numpy(),
+            "arrive_ns": nccl["start_ns"].to_numpy(np.int64), "leave_ns": nccl["end_ns"].to_numpy(np.int64),
+        }), "nccl_kernel"))
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return pd.DataFrame(columns=list(INSTANCE_COLUMNS)), []
+    out = pd.concat(parts, ignore_index=True)
+    if len(parts) > 1:  # instance ids must stay unique across sources
+        out["instance"] = out.groupby(["source", "instance"], sort=False).ngroup()
+    warnings = _incomplete_warnings(out, loaded)
+    return out.sort_values(["instance", "rank"], kind="stable").reset_index(drop=True), warnings
+
+
+def _parse_ranks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted(int(x) for x in text.strip("[] ").split(",") if x.strip()))
+    except ValueError:
+        return ()
+
+
+def _incomplete_warnings(out: pd.DataFrame, loaded: set) -> list[str]:
+    warnings = []
+    bad = out[~out["complete"]]
+    if bad.empty:
+        return warnings
+    for (name, source), rows in bad.groupby(["name", "source"], sort=False):
+        expected = {int(r) for g in rows["group"].unique() for r in g.split(",")} & loaded
+        if not expected:
+            continue
+        first = rows[rows["instance"] == rows["instance"].min()]
+        missing = sorted({int(r) for r in first["group"].iloc[0].split(",")} & loaded - set(first["rank"]))
+        if not missing:
+            continue
+        warnings.append(
+            f"{rows['instance'].nunique()} instances of '{name}' lack ranks that were loaded "
+            f"(first: step {first['step'].iloc[0]}, missing rank(s) {missing}); ranks called it a "
+            "different number of times, or the layout does not match the run"
+        )
+    return warnings
+
+
+def shift_pairs(pairs: pd.DataFrame, offsets: dict) -> pd.DataFrame:
+    """Pairs on other clocks: subtract each side's rank offset (rank -> ns) from its times."""
+    out = pairs.copy()
+    src = out["src"].map(offsets).fillna(0).astype(np.int64).to_numpy()
+    dst = out["dst"].map(offsets).fillna(0).astype(np.int64).to_numpy()
+    for column, shift in (("send_start_ns", src), ("send_end_ns", src), ("recv_start_ns", dst), ("recv_end_ns", dst)):
+        out[column] = out[column].to_numpy(np.int64) - shift
+    out["wait_ns"] = np.maximum(0, out["send_start_ns"] - out["recv_start_ns"])
+    out["transfer_ns"] = out["recv_end_ns"] - np.maximum(out["send_start_ns"], out["recv_start_ns"])
+    return out.sort_values(["send_start_ns", "send_index"], kind="stable").reset_index(drop=True)
+
+
+def shift_instances(instances: pd.DataFrame, offsets: dict) -> pd.DataFrame:
+    out = instances.copy()
+    shift = out["rank"].map(offsets).fillna(0).astype(np.int64).to_numpy()
+    out["arrive_ns"] = out["arrive_ns"].to_numpy(np.int64) - shift
+    out["leave_ns"] = out["leave_ns"].to_numpy(np.int64) - shift
+    return out

@@ -1,0 +1,224 @@
+"""``load_run``: a run directory -> one Run (aligned events of every rank, layout, matches).
+
+Flow: find files -> read headers (rank, layout; reject mixed runs) -> load ranks (parallel,
+cached) -> match p2p and collectives (order-based, clock-free) -> estimate clock offsets
+-> shift events -> match again for times on the aligned clocks. Bad files become warnings
+as long as one rank loads; a run with nothing usable raises TraceError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from . import align, match
+from .errors import TraceError
+from .events import frame_from_tables
+from .load import find_trace_files, load_ranks, rank_of, read_header
+from .topology import Layout
+
+#: Ranks of one run start their profiled window within seconds of each other; traces whose
+#: first events lie further apart than this come from different runs.
+MAX_START_SPREAD_NS = 600 * 10**9
+
+
+@dataclass
+class Run:
+    path: Path
+    events: pd.DataFrame                 # aligned; raw_start_ns/raw_end_ns keep each rank's clock
+    layout: Layout
+    meta: dict                           # rank -> per-rank meta (see load.load_rank)
+    ranks: list
+    steps: list
+    pairs: pd.DataFrame                  # match.PAIR_COLUMNS, aligned times
+    collectives: pd.DataFrame            # match.INSTANCE_COLUMNS, aligned times
+    offsets: pd.DataFrame                # align.OFFSET_COLUMNS
+    warnings: list = field(default_factory=list)
+    schedule: str | None = None
+    microbatches: int | None = None
+    vpp: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def describe(self, rank: int) -> str:
+        if rank < self.layout.world_size:
+            return f"rank {rank} · {self.layout.describe(rank)}"
+        return f"rank {rank}"
+
+
+def _headers(files, warnings):
+    found = []
+    for path in files:
+        try:
+            header = read_header(path)
+        except TraceError as exc:
+            warnings.append(f"skipped: {exc}")
+            continue
+        found.append((path, header, rank_of(header, path)))
+    if not found:
+        raise TraceError(
+            f"no readable trace among {len(files)} file(s) in {Path(files[0]).parent}: "
+            + "; ".join(w.removeprefix("skipped: ") for w in warnings[:2])
+        )
+    return found
+
+
+def _assign_ranks(found, warnings):
+    by_rank: dict = {}
+    unknown = [f for f in found if f[2] is None]
+    if unknown and len(found) > 1:
+        raise TraceError(
+            f"{unknown[0][0]}: cannot tell which rank this trace is (no pptrace block, no "
+            "distributedInfo, no 'rank<N>' in the file name); rename it rank<N>.json.gz"
+        )
+    for path, header, rank in found:
+        if rank is None:
+            warnings.append(f"{path}: no rank in the trace or its name; assuming rank 0")
+            rank = 0
+        if rank in by_rank:
+            raise TraceError(
+                f"{by_rank[rank][0]} and {path} both claim rank {rank}: traces of two runs mixed "
+                "in one directory? keep one run's traces per directory"
+            )
+        by_rank[rank] = (path, header)
+    return by_rank
+
+
+def _layout_of(by_rank, layout, warnings):
+    blocks = {r: h.get("pptrace") for r, (_, h) in by_rank.items() if h.get("pptrace")}
+    layouts = {}
+    for rank, block in blocks.items():
+        key = (tuple(sorted((block.get("layout") or {}).items())), block.get("world_size"))
+        layouts.setdefault(key, []).append(rank)
+    if len(layouts) > 1:
+        (k1, r1), (k2, r2) = list(layouts.items())[:2]
+        raise TraceError(
+            f"traces from different runs: ranks {r1[:4]} say layout {dict(k1[0])} world "
+            f"{k1[1]}, ranks {r2[:4]} say {dict(k2[0])} world {k2[1]}; keep one run per directory"
+        )
+    worlds = {h["distributedInfo"].get("world_size") for _, h in by_rank.values() if h.get("distributedInfo")}
+    worlds.discard(None)
+    if len(worlds) > 1:
+        raise TraceError(
+            f"traces from different runs: distributedInfo world sizes {sorted(worlds)}; keep one "
+            "run per directory"
+        )
+    if layout is not None:
+        return layout
+    if blocks:
+        try:
+            return Layout.from_dict(next(iter(blocks.values())).get("layout") or {})
+        except ValueError as exc:
+            warnings.append(f"pptrace block has a bad layout ({exc}); assuming data parallel only")
+    world = next(iter(worlds)) if worlds else max(by_rank) + 1
+    return Layout(dp=max(int(world), max(by_rank) + 1))
+
+
+def _common(meta_field, metas):
+    values = {m.get("pptrace", {}).get(meta_field) if m.get("pptrace") else None for m in metas.values()}
+    values.discard(None)
+    return values.pop() if len(values) == 1 else None
+
+
+def _check_steps(metas, warnings):
+    per_rank = {r: tuple(m.get("profiler_steps") or ()) for r, m in metas.items()}
+    distinct = set(per_rank.values())
+    if len(distinct) <= 1:
+        return list(next(iter(distinct), ()))
+    common = sorted(set.intersection(*(set(s) for s in per_rank.values())))
+    detail = ", ".join(f"rank {r}: {list(s)}" for r, s in sorted(per_rank.items())[:6])
+    warnings.append(
+        f"ranks profiled different steps ({detail}); cross-rank results use the common steps {common}"
+    )
+    return common
+
+
+def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=None,
+             layout: Layout | None = None, workers: int | None = None) -> Run:
+    """Load, align and match a run directory (or one trace file).
+
+    ``ranks``/``steps`` restrict what is loaded/kept; ``layout`` overrides the layout found
+    in the traces (plain torch.profiler traces have none); ``progress`` forces the rich
+    progress bar on/off (default: on when stderr is a terminal).
+    """
+    path = Path(path)
+    warnings: list[str] = []
+    files = find_trace_files(path)
+    by_rank = _assign_ranks(_headers(files, warnings), warnings)
+    run_layout = _layout_of(by_rank, layout, warnings)
+    if ranks is not None:
+        wanted = {int(r) for r in ranks}
+        absent = sorted(wanted - set(by_rank))
+        if absent:
+            warnings.append(f"requested ranks {absent} have no trace in {path}")
+        by_rank = {r: v for r, v in by_rank.items() if r in wanted}
+        if not by_rank:
+            raise TraceError(f"{path}: none of the requested ranks {sorted(wanted)} has a trace")
+    order = sorted(by_rank)
+    results, errors = load_ranks([(by_rank[r][0], r) for r in order], use_cache=use_cache,
+                                 progress=progress, workers=workers)
+    warnings += [f"skipped: {e}" for e in errors]
+    tables, metas = [], {}
+    for rank, result in zip(order, results):
+        if result is not None:
+            tables.append(result[0])
+            metas[rank] = result[1]
+            warnings += result[1].get("warnings") or []
+    results = result = None
+    if not metas:
+        raise TraceError(f"{path}: no trace could be loaded; " + "; ".join(errors[:2]))
+    expected = set(range(run_layout.world_size)) if ranks is None else set(ranks) & set(range(run_layout.world_size))
+    missing = sorted(expected - set(metas))
+    if missing:
+        shown = missing if len(missing) <= 8 else [*missing[:8], "..."]
+        warnings.append(
+            f"{len(missing)} of {run_layout.world_size} ranks have no usable trace (ranks {shown}); "
+            "results cover the others only"
+        )
+    events = frame_from_tables(tables)  # empties `tables`
+    _check_spread(events, metas)
+    run_steps = _check_steps(metas, warnings)
+    if steps is not None:
+        keep = {int(s) for s in steps}
+        events = events[events["step"].isin(keep).to_numpy()].reset_index(drop=True)
+        run_steps = [s for s in run_steps if s in keep]
+    events = events.reset_index(drop=True)
+    return _finish(path, events, run_layout, metas, run_steps, warnings)
+
+
+def _check_spread(events, metas):
+    if events.empty or len(metas) < 2:
+        return
+    first = events.groupby("rank", observed=True)["start_ns"].min()
+    if first.max() - first.min() > MAX_START_SPREAD_NS:
+        early, late = int(first.idxmin()), int(first.idxmax())
+        gap = (first.max() - first.min()) / 3.6e12
+        raise TraceError(
+            f"traces from different runs: rank {late} ({metas[late]['path']}) starts {gap:.1f} h "
+            f"after rank {early}; keep one run's traces per directory"
+        )
+
+
+def _finish(path, events, layout, metas, steps, warnings) -> Run:
+    loaded = sorted(metas)
+    instances, w_coll = match.match_collectives(events, layout, loaded)
+    pairs, w_p2p = match.match_p2p(events)
+    offsets, w_align = align.estimate_offsets(loaded, instances, pairs, events)
+    # Matching is clock-free, so the matches stand; only their times move.
+    shift = dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))
+    aligned = align.apply_offsets(events, offsets, inplace=True)
+    pairs, instances = match.shift_pairs(pairs, shift), match.shift_instances(instances, shift)
+    typical = float(pairs["transfer_ns"].median()) if len(pairs) else None
+    warnings = [
+        *warnings, *w_p2p, *w_coll, *w_align, *align.clock_drift_warnings(metas),
+        *align.large_bound_warnings(offsets, typical),
+    ]
+    return Run(
+        path=path, events=aligned, layout=layout, meta=metas, ranks=loaded, steps=steps,
+        pairs=pairs, collectives=instances, offsets=offsets, warnings=warnings,
+        schedule=_common("schedule", metas), microbatches=_common("microbatches", metas),
+        vpp=_common("vpp", metas),
+    )

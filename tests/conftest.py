@@ -1,0 +1,52 @@
+"""Fixtures for the ingestion tests (load, align, match, merge, bad input)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path("/work/shared/fixtures/hta-gpu")
+
+
+@pytest.fixture(scope="session")
+def hta_fixtures() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip(f"{FIXTURES} not present")
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def gloo_run(tmp_path_factory) -> Path:
+    """A real 4-rank gloo run of the toy pipeline (pp=2 x dp=2, 4 microbatches, steps 1-8).
+    Eight profiled steps give alignment enough collectives to be tight on a busy host."""
+    from toy_pipeline import run
+
+    out = tmp_path_factory.mktemp("gloo") / "run"
+    run(out, world=4, microbatches=4, steps=9)
+    return out
+
+
+@pytest.fixture
+def gloo_copy(gloo_run, tmp_path) -> Path:
+    """A private copy of the gloo run's traces (tests may rewrite or add files)."""
+    dst = tmp_path / "run"
+    shutil.copytree(gloo_run / "traces", dst / "traces", ignore=shutil.ignore_patterns(".pptrace-cache"))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def trainer_run(tmp_path_factory) -> Path:
+    """A real run of the reference trainer: pp=2 x dp=2, 1F1B, sleep compute, steps 1-2."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("trainer") / "run"
+    cmd = [sys.executable, "-m", "instrumented_model.train", "--pp", "2", "--dp", "2", "--microbatches", "4",
+           "--compute", "sleep", "--fwd-ms", "5", "--bwd-ms", "10", "--steps", "3", "--profile-steps", "1-2",
+           "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    done = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out

@@ -1,0 +1,83 @@
+"""Clock alignment: recover skews we put in ourselves (synthetic and real gloo traces)."""
+from __future__ import annotations
+
+import gzip
+import shutil
+
+import orjson
+import pytest
+
+from pptrace.align import apply_offsets, estimate_offsets
+from pptrace.run import load_run
+from tracegen import pipeline_run
+
+
+def test_synthetic_skews_recovered_within_their_bounds(tmp_path):
+    skew = {3: 5_000_000, 6: -3_000_000, 7: 250_000}
+    run_dir, truth = pipeline_run(tmp_path / "run", pp=4, dp=2, microbatches=4, skew_ns=skew, latency_us=50)
+    run = load_run(run_dir, use_cache=False)
+    off = run.offsets.set_index("rank")
+    for rank in range(8):
+        error = abs(int(off.at[rank, "offset_ns"]) - skew.get(rank, 0))
+        assert error <= off.at[rank, "uncertainty_ns"], (rank, error)
+        assert error < 100_000  # latency is 50 µs: the bound is of that order
+    # aligned times are true times (+ the common origin), raw times keep each rank's clock
+    ev = run.events
+    assert (ev["raw_start_ns"] - ev["start_ns"]).groupby(ev["rank"]).first().to_dict() == {
+        r: int(off.at[r, "offset_ns"]) for r in range(8)}
+    # after alignment no recv ends before its send started
+    assert (run.pairs["recv_end_ns"] >= run.pairs["send_start_ns"]).all()
+
+
+def test_rank_without_evidence_keeps_its_clock(tmp_path):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=1, microbatches=2)
+    run = load_run(run_dir, use_cache=False)
+    table, warnings = estimate_offsets([0, 1, 5], run.collectives, run.pairs, run.events)
+    row = table.set_index("rank").loc[5]
+    assert row["offset_ns"] == 0 and row["method"] == "epoch"
+    assert any("[5]" in w for w in warnings)
+
+
+def _shift_copy(src_dir, dst_dir, shifts_ns: dict):
+    """Copy a run, moving the clocks of some ranks as a skewed host clock would: Kineto's
+    baseTimeNanoseconds and the pptrace wall-clock samples move, nothing else."""
+    (dst_dir / "traces").mkdir(parents=True)
+    for path in sorted((src_dir / "traces").glob("rank*.json.gz")):
+        doc = orjson.loads(gzip.decompress(path.read_bytes()))
+        rank = doc["pptrace"]["rank"]
+        shift = shifts_ns.get(rank, 0)
+        doc["baseTimeNanoseconds"] += shift
+        for sample in doc["pptrace"]["clock"].values():
+            sample["wall_ns"] += shift
+        (dst_dir / "traces" / path.name).write_bytes(gzip.compress(orjson.dumps(doc)))
+    return dst_dir
+
+
+@pytest.mark.slow
+def test_real_gloo_skew_recovered(gloo_run, tmp_path):
+    """Ranks of the gloo run share one host clock (true offsets 0); shifting rank 2 (stage 1)
+    by +5 ms and rank 3 (stage 1, other pipeline) by -3 ms must be recovered to 0.5 ms."""
+    shifts = {2: 5_000_000, 3: -3_000_000}
+    skewed = load_run(_shift_copy(gloo_run, tmp_path / "skewed", shifts), use_cache=False)
+    off = skewed.offsets.set_index("rank")
+    for rank, shift in shifts.items():
+        error = abs(int(off.at[rank, "offset_ns"]) - shift)
+        assert error < 500_000, (rank, error, skewed.offsets)
+    for rank in range(4):  # the reported bound holds for every rank
+        error = abs(int(off.at[rank, "offset_ns"]) - shifts.get(rank, 0))
+        assert error <= off.at[rank, "uncertainty_ns"] + 1, (rank, error, skewed.offsets)
+    # the shift moved raw clocks, and alignment undid it: aligned events agree with the
+    # unshifted run's aligned events to within the estimation error
+    plain = load_run(gloo_run, use_cache=False)
+    a = plain.events.groupby("rank")["start_ns"].min()
+    b = skewed.events.groupby("rank")["start_ns"].min()
+    assert ((a - b).abs() < 500_000).all()
+
+
+def test_apply_offsets_keeps_raw_columns(tmp_path):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, microbatches=1, skew_ns={1: 1_000_000})
+    run = load_run(run_dir, use_cache=False)
+    again = apply_offsets(run.events.drop(columns=["raw_start_ns", "raw_end_ns"]).assign(
+        start_ns=run.events["raw_start_ns"], end_ns=run.events["raw_end_ns"]), run.offsets)
+    assert (again["start_ns"] == run.events["start_ns"]).all()
+    assert (again["raw_end_ns"] == run.events["raw_end_ns"]).all()

@@ -1,0 +1,244 @@
+"""Loader: real GPU fixtures, synthetic traces with known timestamps, cache, parallel load."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pptrace import cache, load
+from pptrace.events import CATEGORIES, COLUMNS, classify, frame_from_tables, from_arrow, to_arrow
+from pptrace.load import find_trace_files, load_rank, read_header
+from pptrace.run import load_run
+from pptrace.topology import Layout
+from tracegen import RankTrace, pipeline_run, write_run
+
+FIXTURE_FILES = [
+    "gloo_cpu_only_world300_rank34.json.gz", "nccl_allreduce_world2_rank0.json.gz",
+    "no_distributed_info.json.gz", "sendrecv_allreduce_world8_rank3.json.gz",
+    "sendrecv_world128_rank0.json.gz", "sendrecv_world128_rank1.json.gz",
+    "single_gpu_world1_rank0.json.gz",
+]
+
+
+def _x_events(path):
+    import orjson
+
+    doc = orjson.loads(gzip.decompress(path.read_bytes()))
+    return [e for e in doc["traceEvents"] if e.get("ph") == "X" and isinstance(e.get("pid"), int)
+            and isinstance(e.get("tid"), int)]
+
+
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_every_hta_fixture_loads(hta_fixtures, name):
+    path = hta_fixtures / name
+    frame, meta = load_rank(path)
+    assert list(frame.columns) == list(COLUMNS)
+    assert len(frame) == len(_x_events(path)) == meta["n_events"]
+    assert set(frame["category"].astype(str)) <= set(CATEGORIES)
+    assert (frame["dur_ns"] >= 0).all() and (frame["end_ns"] - frame["start_ns"] == frame["dur_ns"]).all()
+    expected_rank = re.search(r"rank(\d+)", name)
+    assert meta["rank"] == (int(expected_rank.group(1)) if expected_rank else 0)
+    assert meta["profiler_steps"], "every fixture has ProfilerStep ranges"
+    assert (frame["step"] >= 0).any()
+
+
+def test_nanosecond_fractions_survive_epoch_microseconds(hta_fixtures):
+    """single_gpu writes ts as epoch µs with 3 decimals: floats cannot hold that exactly."""
+    path = hta_fixtures / "single_gpu_world1_rank0.json.gz"
+    text = gzip.decompress(path.read_bytes())
+    stamps = re.findall(rb'"ts": (\d+)\.(\d{3}), "dur"', text)[:500]
+    want = sorted(int(a) * 1000 + int(b) for a, b in stamps)
+    frame, meta = load_rank(path)
+    assert not meta["warnings"]
+    got = set(frame["start_ns"].tolist())
+    assert all(w in got for w in want)
+    assert any(w % 1000 for w in want)  # the fractions are really there
+
+
+def test_gpu_fields_from_nccl_fixture(hta_fixtures):
+    frame, _ = load_rank(hta_fixtures / "nccl_allreduce_world2_rank0.json.gz")
+    kernels = frame[frame["cat"] == "kernel"]
+    nccl = kernels[kernels["is_nccl"]]
+    assert len(nccl) > 0 and (nccl["category"] == "kernel_comm").all()
+    assert (kernels.loc[~kernels["is_nccl"], "category"] == "kernel_compute").all()
+    assert set(nccl["lane"].astype(str)) <= {f"stream {s}" for s in kernels["stream"].dropna().unique()}
+    assert (frame.loc[frame["lane_kind"] == "gpu", "stream"].notna()).all()
+    rpc = frame[frame["name"] == "record_param_comms"]
+    assert len(rpc) > 0 and "[0, 1]" in set(rpc["group_ranks"].astype(str))
+    assert set(nccl["collective"].astype(str)) <= {"allreduce", "broadcast"}
+    assert (nccl["in_nelems"] > 0).all()
+    # GPU work takes the step of the call that launched it, not of the wall time it ran at.
+    launched = frame[(frame["cat"] == "cuda_runtime") & frame["correlation"].notna()]
+    step_of = dict(zip(launched["correlation"], launched["step"]))
+    sample = kernels[kernels["correlation"].isin(step_of)].head(200)
+    assert len(sample) and all(step_of[c] == s for c, s in zip(sample["correlation"], sample["step"]))
+    assert frame["gpu_annotation"].any()
+
+
+def test_synthetic_times_are_exact(tmp_path):
+    t = RankTrace(rank=1, layout=Layout(pp=2), skew_ns=1_234_567)
+    t.step(3, 0, 10_000)
+    t.region("pp:send_fwd", 100.001, 20.5, peer=0, mb=2, chunk=1, bytes=64)
+    t.region("compute:fwd", 200, 1000, mb=2)
+    t.region("cp:send_kv", 1300, 5, peer=0, step=2, layer=1)
+    t.region("dp:wait op=all_reduce", 1400, 5, bucket=3)
+    t.add("aten::mm", 250, 10, cat="cpu_op")
+    t.add("outside", 20_000, 1, cat="cpu_op")
+    path = t.write(tmp_path / "rank1.json.gz")
+    frame, meta = load_rank(path)
+    row = frame[frame["op"] == "send_fwd"].iloc[0]
+    assert row["start_ns"] == t.raw_ns(100.001) and row["dur_ns"] == 20_500
+    assert (row["kind"], row["peer"], row["mb"], row["chunk"], row["bytes"]) == ("pp", 0, 2, 1, 64)
+    assert row["category"] == "p2p" and row["lane"] == "main" and row["step"] == 3
+    kv = frame[frame["op"] == "send_kv"].iloc[0]
+    assert (kv["ring_step"], kv["layer"], kv["category"]) == (2, 1, "comm:cp")
+    wait = frame[frame["op"] == "wait"].iloc[0]
+    assert wait["category"] == "wait" and wait["bucket"] == 3 and wait["tags"] == '{"op":"all_reduce"}'
+    assert frame.loc[frame["name"] == "outside", "step"].iloc[0] == -1
+    assert frame.loc[frame["name"] == "aten::mm", "category"].iloc[0] == "other"
+    assert meta["rank"] == 1 and meta["pptrace"]["layout"]["pp"] == 2 and meta["profiler_steps"] == [3]
+
+
+def test_threads_become_lanes(tmp_path):
+    t = RankTrace(rank=0)
+    t.thread(77, "pt_gloo_runloop")
+    t.step(1, 0, 100)
+    t.add("gloo:all_reduce", 10, 5, tid=77)
+    frame, _ = load_rank(t.write(tmp_path / "rank0.json"))
+    assert frame.loc[frame["name"] == "gloo:all_reduce", "lane"].iloc[0] == "thread:77 pt_gloo_runloop"
+    assert set(frame["lane_kind"].astype(str)) == {"host"}
+
+
+@pytest.mark.parametrize("category,name,cat", [
+    ("compute", "compute:fwd mb=1", "user_annotation"), ("comm:tp", "tp:all_reduce layer=1", "user_annotation"),
+    ("comm:dp", "dp:all_reduce bucket=0", "user_annotation"), ("comm:ep", "ep:all_to_all", "user_annotation"),
+    ("comm:cp", "cp:all_to_all layer=0", "user_annotation"), ("p2p", "pp:recv_bwd peer=1 mb=0", "user_annotation"),
+    ("wait", "cp:wait op=send_recv_kv", "user_annotation"), ("step", "ProfilerStep#7", "user_annotation"),
+    ("kernel_comm", "ncclDevKernel_SendRecv(ncclDevComm*)", "kernel"), ("kernel_compute", "sgemm_128x64", "kernel"),
+    ("memcpy", "Memcpy HtoD", "gpu_memcpy"), ("memcpy", "Memset", "gpu_memset"),
+    ("runtime", "cudaLaunchKernel", "cuda_runtime"), ("other", "aten::mm", "cpu_op"),
+    ("other", "gloo:all_reduce", "user_annotation"), ("p2p", "pp:send_fwd peer=1 mb=0", "gpu_user_annotation"),
+])
+def test_categories(category, name, cat):
+    assert classify(name, cat)["category"] == category
+
+
+def test_chunked_parse_equals_whole_document(tmp_path, monkeypatch):
+    pipeline_run(tmp_path / "a", pp=2, microbatches=3, cpu_ops_per_mb=5, gz=False)
+    path = tmp_path / "a" / "traces" / "rank1.json"
+    whole, _ = load_rank(path)
+    monkeypatch.setattr(load, "_CHUNK_BYTES", 2000)  # forces dozens of slices
+    data = path.read_bytes()
+    _, start, end = load._locate_events(data)
+    chunks = list(load._parse_slices(data, start, end, path, []))
+    assert len(chunks) > 10 and all(blob is not None for _, blob in chunks)
+    sliced, _ = load_rank(path)
+    pd.testing.assert_frame_equal(whole, sliced)
+    # the compact layout (one line, no Kineto indentation) gives the same table
+    t = RankTrace(rank=0)
+    t.step(1, 0, 50)
+    t.region("compute:fwd", 1, 2, mb=0)
+    a, _ = load_rank(t.write(tmp_path / "k.json"))
+    b, _ = load_rank(t.write(tmp_path / "c.json", compact=True))
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_find_trace_files_and_headers(tmp_path):
+    t = RankTrace(rank=2, layout=Layout(dp=4))
+    t.step(1, 0, 10)
+    t.write(tmp_path / "flat" / "job.pt.trace.json.gz")
+    (tmp_path / "flat" / "notes.txt").write_text("x")
+    files = find_trace_files(tmp_path / "flat")
+    assert [f.name for f in files] == ["job.pt.trace.json.gz"]
+    header = read_header(files[0])
+    assert header["pptrace"]["rank"] == 2 and header["distributedInfo"]["world_size"] == 4
+    assert "traceEvents" not in header or header["traceEvents"] == []
+    write_run(tmp_path / "nested", [t])
+    assert find_trace_files(tmp_path / "nested")[0].parent.name == "traces"
+
+
+def test_arrow_round_trip_keeps_values(hta_fixtures):
+    frame, _ = load_rank(hta_fixtures / "nccl_allreduce_world2_rank0.json.gz")
+    back = from_arrow(to_arrow(frame))
+    for column in COLUMNS:
+        assert back[column].astype(object).equals(frame[column].astype(object)), column
+    # many ranks assembled column by column equal the plain concatenation
+    other, _ = load_rank(hta_fixtures / "sendrecv_world128_rank1.json.gz")
+    tables = [to_arrow(frame), to_arrow(other)]
+    joined = frame_from_tables(tables)
+    assert tables == []
+    expected = pd.concat([frame, other], ignore_index=True)
+    for column in COLUMNS:
+        assert joined[column].astype(object).equals(expected[column].astype(object)), column
+    assert str(joined["mb"].dtype) == "Int64" and joined["name"].dtype == "category"
+
+
+def _digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest(), os.stat(path).st_mtime_ns
+
+
+def test_cache_skips_parsing_and_never_touches_traces(tmp_path, monkeypatch):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=2, microbatches=2)
+    files = find_trace_files(run_dir)
+    before = [_digest(f) for f in files]
+    first = load_run(run_dir)
+    assert all(cache.cache_path(f).parent.name == ".pptrace-cache" and cache.cache_path(f).exists() for f in files)
+
+    def boom(*a, **k):
+        raise AssertionError("parsed although cached")
+
+    monkeypatch.setattr(load, "load_rank", boom)
+    second = load_run(run_dir)
+    pd.testing.assert_frame_equal(first.events, second.events)
+    assert [_digest(f) for f in files] == before
+    # A rewritten trace (new size/mtime) invalidates its entry.
+    monkeypatch.undo()
+    t = RankTrace(rank=1, layout=Layout(pp=2, dp=2))
+    t.step(1, 0, 10)
+    t.write(files[1])
+    os.utime(files[1], ns=(before[1][1] + 10**9, before[1][1] + 10**9))
+    third = load_run(run_dir)
+    assert (third.events["rank"] == 1).sum() == 1
+
+
+def test_parallel_load_matches_serial(tmp_path, monkeypatch):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=2, microbatches=2)
+    serial = load_run(run_dir, use_cache=False)
+    monkeypatch.setattr(load, "_POOL_MIN_BYTES", 0)
+    parallel = load_run(run_dir, use_cache=False, workers=2)
+    pd.testing.assert_frame_equal(serial.events, parallel.events)
+    assert not list((run_dir / "traces").glob(".pptrace-cache/*"))  # use_cache=False writes nothing
+    assert np.array_equal(serial.offsets["offset_ns"], parallel.offsets["offset_ns"])
+
+
+def test_cut_inside_a_string_falls_back_to_whole_parse(tmp_path, monkeypatch):
+    """'}, {' inside a name is not an event boundary: the slice fails, the whole parse wins."""
+    t = RankTrace(rank=0)
+    t.step(1, 0, 1000)
+    for i in range(200):
+        t.add(f"odd}}, {{name {i}", i, 1, cat="cpu_op")
+    path = t.write(tmp_path / "rank0.json", compact=True)
+    monkeypatch.setattr(load, "_CHUNK_BYTES", 300)
+    frame, meta = load_rank(path)
+    assert len(frame) == 201 and not meta["warnings"]
+    assert set(frame.loc[frame["cat"] == "cpu_op", "name"].astype(str)) == {f"odd}}, {{name {i}" for i in range(200)}
+
+
+def test_cache_goes_elsewhere_when_the_trace_dir_is_read_only(tmp_path, monkeypatch):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, microbatches=1)
+    traces = run_dir / "traces"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    os.chmod(traces, 0o555)
+    try:
+        load_run(run_dir)
+        assert not (traces / cache.CACHE_DIRNAME).exists()
+        entries = list((tmp_path / "xdg" / "pptrace").rglob("*.parquet"))
+        assert len(entries) == 2
+        assert cache.read(traces / "rank0.json.gz") is not None
+    finally:
+        os.chmod(traces, 0o755)

@@ -1,0 +1,200 @@
+"""Synthetic torch.profiler traces with known ground truth, for loader and analysis tests.
+
+Times are given in microseconds of *true* time from the run's origin; each rank writes them
+on its own clock (``skew_ns`` ahead of true time), exactly as a host with a wrong clock
+would, so alignment can be tested against the skew you chose.
+
+    t = RankTrace(rank=1, layout=Layout(pp=2), skew_ns=5_000_000)
+    with_step = t.step(1, 0, 100_000)                     # ProfilerStep#1, 0..100 ms
+    t.region("compute:fwd", 10, 4000, mb=0)               # contract range, tags formatted
+    t.add("aten::mm", 20, 300, cat="cpu_op")              # any event
+    t.kernel("ncclDevKernel_AllReduce", 500, 80, stream=20, correlation=7)
+    write_run(tmp_path, [t0, t1])                         # tmp_path/traces/rank{r}.json.gz
+
+``pipeline_run`` builds a whole GPipe run (every send paired with a recv, a grad-norm
+all-reduce over all ranks per step) and returns its ground truth.
+"""
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import orjson
+
+from pptrace.naming import format_name
+from pptrace.topology import Layout
+
+ORIGIN_NS = 1_790_000_000_000_000_000  # the run's true time zero (an epoch instant)
+KINETO_BASE_NS = 1_789_990_000_000_000_000  # Kineto's baseTimeNanoseconds (whole seconds)
+
+
+class RankTrace:
+    def __init__(self, rank: int = 0, world_size: int | None = None, layout: Layout | None = None, *,
+                 skew_ns: int = 0, pid: int | None = None, schedule: str | None = "1f1b",
+                 microbatches: int | None = None, vpp: int | None = None, steps=None,
+                 pptrace_block: bool = True, distributed: bool = True, base_ns: int = KINETO_BASE_NS):
+        self.layout = layout or Layout(dp=world_size or 1)
+        self.rank, self.world_size = rank, world_size or self.layout.world_size
+        self.skew_ns, self.base_ns = int(skew_ns), base_ns
+        self.pid = pid if pid is not None else 1000 + rank
+        self.events: list[dict] = []
+        self.threads = {self.pid: "python"}
+        self.header: dict = {"schemaVersion": 1, "deviceProperties": []}
+        if distributed:
+            self.header["distributedInfo"] = {
+                "backend": "gloo", "rank": rank, "world_size": self.world_size, "pg_count": 1,
+                "pg_config": [{"pg_name": "0", "pg_desc": "default_pg", "pg_size": self.world_size,
+                               "ranks": list(range(self.world_size))}],
+            }
+        if pptrace_block:
+            self.header["pptrace"] = {
+                "version": 1, "rank": rank, "world_size": self.world_size, "layout": self.layout.to_dict(),
+                "coords": self.layout.coords(rank)._asdict() if rank < self.layout.world_size else None,
+                "schedule": schedule, "microbatches": microbatches, "vpp": vpp,
+                "steps": list(steps) if steps is not None else None, "hostname": "synthetic",
+                "pid": self.pid, "clock": {},
+            }
+        self._ext = 0
+
+    # -- time --------------------------------------------------------------------------------
+    def ts(self, true_us: float) -> float:
+        """Trace ts (µs on this rank's Kineto clock) of a true time in µs from the origin."""
+        return (ORIGIN_NS + round(true_us * 1000) + self.skew_ns - self.base_ns) / 1000.0
+
+    def raw_ns(self, true_us: float) -> int:
+        """What the loader must report as start_ns for an event at ``true_us``."""
+        return ORIGIN_NS + round(true_us * 1000) + self.skew_ns
+
+    # -- events ------------------------------------------------------------------------------
+    def add(self, name: str, start_us: float, dur_us: float, *, cat: str = "user_annotation",
+            tid: int | None = None, pid: int | None = None, args: dict | None = None) -> dict:
+        self._ext += 1
+        event = {
+            "ph": "X", "cat": cat, "name": name, "pid": self.pid if pid is None else pid,
+            "tid": self.pid if tid is None else tid, "ts": round(self.ts(start_us), 3),
+            "dur": round(dur_us, 3),
+            "args": {"External id": self._ext, "Record function id": 0, "Ev Idx": len(self.events),
+                     **(args or {})},
+        }
+        self.events.append(event)
+        return event
+
+    def region(self, name: str, start_us: float, dur_us: float, *, tid: int | None = None, **tags) -> dict:
+        kind, _, rest = name.partition(":")
+        op, *given = rest.split(" ")
+        full = " ".join([format_name(kind, op, **tags), *given]) if given else format_name(kind, op, **tags)
+        return self.add(full, start_us, dur_us, tid=tid)
+
+    def step(self, n: int, start_us: float, dur_us: float) -> dict:
+        return self.add(f"ProfilerStep#{n}", start_us, dur_us)
+
+    def thread(self, tid: int, name: str) -> None:
+        self.threads[tid] = name
+
+    def kernel(self, name: str, start_us: float, dur_us: float, *, stream: int = 7,
+               correlation: int | None = None, device: int = 0, cat: str = "kernel", **args) -> dict:
+        return self.add(name, start_us, dur_us, cat=cat, pid=device, tid=stream,
+                        args={"device": device, "stream": stream, "correlation": correlation, **args})
+
+    def clock(self, when: str, true_us: float) -> None:
+        """Record the pptrace wall/perf clock pair at a true time (wall on this rank's clock)."""
+        if "pptrace" in self.header:
+            wall = self.raw_ns(true_us)
+            self.header["pptrace"]["clock"][when] = {
+                "wall_ns": wall, "perf_ns": round(true_us * 1000) + 10**12, "monotonic_ns": round(true_us * 1000) + 10**12}
+
+    # -- output ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        meta = [{"ph": "M", "name": "process_name", "ts": 0, "pid": self.pid, "tid": 0, "args": {"name": "python"}}]
+        for tid, name in self.threads.items():
+            meta.append({"ph": "M", "name": "thread_name", "ts": 0, "pid": self.pid, "tid": tid,
+                         "args": {"name": f"thread {tid} ({name})"}})
+        return {**self.header, "baseTimeNanoseconds": self.base_ns, "displayTimeUnit": "ms",
+                "traceEvents": meta + self.events, "traceName": f"rank{self.rank}"}
+
+    def dumps(self, compact: bool = False) -> bytes:
+        """Kineto's layout (one indented event per block) unless ``compact``."""
+        doc = self.to_dict()
+        if compact:
+            return orjson.dumps(doc)
+        events = doc.pop("traceEvents")
+        head = orjson.dumps(doc)[:-1]
+        body = b",\n  ".join(orjson.dumps(e, option=orjson.OPT_INDENT_2).replace(b"\n", b"\n  ") for e in events)
+        return head + b',\n  "traceEvents": [\n  ' + body + b"\n  ],\n" + b'  "traceName": "x"\n}'
+
+    def write(self, path, compact: bool = False) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.dumps(compact)
+        path.write_bytes(gzip.compress(data, compresslevel=1) if path.name.endswith(".gz") else data)
+        return path
+
+
+def write_run(out_dir, traces, gz: bool = True) -> Path:
+    """Write each trace to ``out_dir/traces/rank{r}.json[.gz]``; returns out_dir."""
+    out_dir = Path(out_dir)
+    for t in traces:
+        t.write(out_dir / "traces" / f"rank{t.rank}.json{'.gz' if gz else ''}")
+    return out_dir
+
+
+def pipeline_run(out_dir, *, pp: int = 2, dp: int = 1, microbatches: int = 4, steps=(1, 2),
+                 fwd_us: float = 1000.0, bwd_us: float = 2000.0, latency_us: float = 50.0,
+                 skew_ns: dict | None = None, cpu_ops_per_mb: int = 0, gz: bool = True):
+    """A GPipe run on ``pp x dp`` ranks with exact, known timing -> (out_dir, truth).
+
+    Every stage runs forwards then backwards; a recv waits until its send started plus
+    ``latency_us``; each step ends with a grad-norm all-reduce over all ranks that every
+    rank leaves when the last one arrives (+ latency). ``truth`` holds per rank the skew,
+    and the pairs [(src, dst, direction, mb, step, send_start_us, recv_end_us)].
+    """
+    layout = Layout(pp=pp, dp=dp)
+    skew_ns = skew_ns or {}
+    traces = [RankTrace(r, layout=layout, skew_ns=skew_ns.get(r, 0), schedule="gpipe",
+                        microbatches=microbatches, steps=steps) for r in range(layout.world_size)]
+    truth = {"skew_ns": {r: skew_ns.get(r, 0) for r in range(layout.world_size)}, "pairs": []}
+    t0 = 0.0
+    ext = {"n": 0}
+    for step in steps:
+        free = {r: t0 + 10 for r in range(layout.world_size)}
+        sent: dict = {}
+        phases = [("fwd", range(pp), fwd_us), ("bwd", range(pp - 1, -1, -1), bwd_us)]
+        for direction, stages, dur in phases:
+            for mb in range(microbatches):
+                for stage in stages:
+                    for d in range(dp):
+                        r = layout.rank(pp=stage, dp=d)
+                        t = traces[r]
+                        src = layout.pipeline_prev_rank(r) if direction == "fwd" else layout.pipeline_next_rank(r)
+                        dst = layout.pipeline_next_rank(r) if direction == "fwd" else layout.pipeline_prev_rank(r)
+                        if src is not None:
+                            post = free[r]
+                            arrive = sent[(src, r, direction, mb)] + latency_us
+                            end = max(post, arrive) + 5
+                            t.region(f"pp:recv_{direction}", post, end - post, peer=src, mb=mb, bytes=4096)
+                            truth["pairs"].append((src, r, direction, mb, step, sent[(src, r, direction, mb)], end))
+                            free[r] = end + 5
+                        start = free[r]
+                        t.region(f"compute:{direction}", start, dur, mb=mb)
+                        for k in range(cpu_ops_per_mb):
+                            ext["n"] += 1
+                            t.add("aten::mm", start + dur * k / (cpu_ops_per_mb + 1), dur / (cpu_ops_per_mb + 2),
+                                  cat="cpu_op", args={"Input Dims": [[64, 64], [64, 64]], "Input type": ["float", "float"],
+                                                      "Sequence number": ext["n"], "Fwd thread id": 0})
+                        free[r] = start + dur + 5
+                        if dst is not None:
+                            s = free[r]
+                            t.region(f"pp:send_{direction}", s, 20, peer=dst, mb=mb, bytes=4096)
+                            sent[(r, dst, direction, mb)] = s
+                            free[r] = s + 25
+        arrive = dict(free)
+        leave = max(arrive.values()) + latency_us
+        for r, t in enumerate(traces):
+            t.region("dp:all_reduce", arrive[r], leave - arrive[r], what="grad_norm", bytes=4)
+            t.step(step, t0, leave + 10 - t0)
+            if step == steps[0]:
+                t.clock("start", t0)
+            t.clock("end", leave + 10)
+        t0 = leave + 20
+    write_run(out_dir, traces, gz=gz)
+    return Path(out_dir), truth
