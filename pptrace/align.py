@@ -30,6 +30,9 @@ MIN_BOUND_NS = 20_000
 #: Fewer instances than this and a collective edge is not trusted on its own.
 MIN_INSTANCES = 2
 OFFSET_COLUMNS = ("rank", "offset_ns", "uncertainty_ns", "method", "via")
+#: Ranks on one host read one system clock. Their recorded times may still break causality
+#: by the profiler's rounding of timestamps (1 µs); more than this means the clocks differ.
+SAME_HOST_SLACK_NS = 5_000
 
 
 def _async_key(rank, kind, op, bucket, layer) -> tuple:
@@ -213,7 +216,24 @@ def _project(rows: list, cons: dict, reference: int, rounds: int = 50) -> list:
     return [(r[0], offset.get(r[0], r[1]), *r[2:]) for r in rows]
 
 
-def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=None):
+def _same_host_offsets(ranks, hosts, cons) -> pd.DataFrame | None:
+    """Offsets of zero when every rank ran on one host and zero breaks no causality fact.
+
+    One host means one epoch clock: refining it from communication could only add the
+    scheduling noise of the constraints (ranks wake from a collective ~0.5 ms apart on a busy
+    box). A trace whose clock was shifted after the fact still breaks causality at zero and
+    goes through the estimation below."""
+    if not hosts or any(not hosts.get(r) for r in ranks) or len({hosts[r] for r in ranks}) != 1:
+        return None
+    if cons and min(cons.values()) < -SAME_HOST_SLACK_NS:
+        return None
+    table = pd.DataFrame([(r, 0, 0.0, "same host", ranks[0]) for r in ranks], columns=list(OFFSET_COLUMNS))
+    table["offset_ns"] = table["offset_ns"].astype(np.int64)
+    table["uncertainty_ns"] = table["uncertainty_ns"].astype("Float64")
+    return table
+
+
+def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=None, hosts=None):
     """-> (DataFrame OFFSET_COLUMNS, warnings). ``offset_ns`` of a rank is relative to the
     reference rank (lowest loaded rank unless given).
 
@@ -222,7 +242,8 @@ def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=N
     is the interval's midpoint and ``uncertainty_ns`` its half-width (the largest error still
     possible); where the interval is open, the collective leave-time median (clamped into
     it) and its spread. Ranks with no evidence keep their
-    epoch clock (offset 0, NaN bound).
+    epoch clock (offset 0, NaN bound). ``hosts`` (rank -> hostname): ranks of one host keep
+    offset 0 unless their recorded times break causality.
     """
     ranks = sorted(int(r) for r in ranks)
     warnings: list[str] = []
@@ -230,6 +251,9 @@ def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=N
         return pd.DataFrame(columns=list(OFFSET_COLUMNS)), warnings
     reference = ranks[0] if reference is None else int(reference)
     cons = hard_constraints(instances, pairs, events)
+    same_host = _same_host_offsets(ranks, hosts, cons)
+    if same_host is not None:
+        return same_host, warnings
     upper, ok_up = _bounds_from(reference, cons, ranks)
     reverse = {(b, a): c for (a, b), c in cons.items()}
     lower_neg, ok_low = _bounds_from(reference, reverse, ranks)

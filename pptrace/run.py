@@ -206,7 +206,8 @@ def _finish(path, events, layout, metas, steps, warnings) -> Run:
     loaded = sorted(metas)
     instances, w_coll = match.match_collectives(events, layout, loaded)
     pairs, w_p2p = match.match_p2p(events)
-    offsets, w_align = align.estimate_offsets(loaded, instances, pairs, events)
+    hosts = {rank: meta.get("hostname") for rank, meta in metas.items()}
+    offsets, w_align = align.estimate_offsets(loaded, instances, pairs, events, hosts=hosts)
     # Matching is clock-free, so the matches stand; only their times move.
     shift = dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))
     aligned = align.apply_offsets(events, offsets, inplace=True)
