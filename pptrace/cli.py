@@ -54,7 +54,11 @@ def _int_list(text: str | None) -> list[int] | None:
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # Rich assumes 80 columns when output is not a terminal, which folds the analysis tables
+    # into unreadable slivers in logs and CI; files get the width of a wide terminal.
+    width = None if stream.isatty() else 160
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def _load(run_dir, ranks=None, steps=None):
@@ -151,18 +155,36 @@ def _write_json(document: dict, target: str | None = None) -> None:
 @_run_options
 @click.option("--json", "json_out", is_flag=True, help="Print the contract-4 JSON document instead of tables.")
 @click.option("--html", "html_out", type=click.Path(path_type=Path), help="Also write the dashboard page here.")
+@click.option("--hta", "with_hta", is_flag=True,
+              help="GPU traces: also run HTA on the same files and show its numbers beside pptrace's "
+                   "(needs pip install 'pptrace[hta]').")
 @_one_line_errors
-def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out):
+def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta):
     """Where each rank's step time goes: compute, pipeline bubble, p2p wait vs transfer,
     exposed vs hidden TP/CP/DP communication, stragglers."""
     from .report import build_report, print_report
 
+    if with_hta:
+        from .hta_compare import INSTALL_HINT, hta_available
+
+        if not hta_available():
+            raise click.ClickException(INSTALL_HINT)
     run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
     report = build_report(run)
+    comparison = None
+    if with_hta:
+        from .hta_compare import compare
+
+        comparison = compare(run)
+        report["hta"] = {"ranks": comparison[0].to_dict("records"), "notes": comparison[1]}
     if json_out:
         _write_json(report)
     else:
         print_report(report, _console())
+        if comparison is not None:
+            from .hta_compare import print_comparison
+
+            print_comparison(*comparison, _console())
     if html_out:
         from dashboards import write_dashboard
 
