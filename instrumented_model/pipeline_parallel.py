@@ -45,6 +45,9 @@ class PipelineRun:
     pp_rank: int
     pp_size: int
     vpp: int = 1
+    # Megatron's overlap_p2p_comm (interleaved only): post each direction's exchange right
+    # after its pass and wait for it right before its tensor is used.
+    overlap_p2p_comm: bool = False
 
     def __post_init__(self):
         if self.num_microbatches < 1:

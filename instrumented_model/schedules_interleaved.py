@@ -56,6 +56,10 @@ def forward_backward_pipelining_with_interleaving(run: PipelineRun) -> None:
             return None
         return Message(*bwd[k])
 
+    if run.overlap_p2p_comm:
+        _run_overlapped(run, warmup, total, fwd, bwd, fwd_send, bwd_send, fwd_recv, bwd_recv)
+        return
+
     x = p2p.recv_forward(ctx, fwd_recv(0)) if fwd_recv(0) else None
     grad = None
 
@@ -88,3 +92,62 @@ def forward_backward_pipelining_with_interleaving(run: PipelineRun) -> None:
         bmb, bc = bwd[k]
         dx = run.backward(bmb, bc, grad)
         grad = p2p.send_backward_recv_backward(ctx, bwd_send(k, dx), bwd_recv(k + 1))
+
+
+def _run_overlapped(run, warmup, total, fwd, bwd, fwd_send, bwd_send, fwd_recv, bwd_recv) -> None:
+    """Megatron's ``overlap_p2p_comm=True`` path of the interleaved schedule: the same passes
+    and the same messages in the same per-direction order, but the forward exchange (send this
+    output, recv the next input) and the backward exchange are posted asynchronously right
+    after their pass and waited only right before the tensor they receive is used, so the
+    other direction's pass runs while they are in flight. The pp regions still span posting
+    to completion (passes run inside them, as ZB-H1's deferred W's do)."""
+    ctx = run.comm
+    _no_tensor = (None, None)
+
+    def wait(pending):
+        return pending.wait() if pending is not None else _no_tensor
+
+    x = p2p.recv_forward(ctx, fwd_recv(0)) if fwd_recv(0) else None
+    fwd_pending = bwd_pending = None
+
+    # Warm-up (warmup >= 1 always: at least (v-1)*p forwards).
+    for k in range(warmup):
+        if k:
+            x = wait(fwd_pending)[0]
+        mb, c = fwd[k]
+        y = run.forward(mb, c, x)
+        fwd_pending = _post(ctx, send_next=fwd_send(k, y), recv_prev=fwd_recv(k + 1))
+        if k == warmup - 1 and warmup < total:
+            bwd_pending = _post(ctx, recv_next=bwd_recv(0))
+    if warmup == total:
+        wait(fwd_pending)
+        fwd_pending = None
+        if bwd_recv(0):
+            bwd_pending = _post(ctx, recv_next=bwd_recv(0))
+
+    # Steady state: F, post its exchange, then B on the grad that arrived meanwhile.
+    for k in range(total - warmup):
+        fk = k + warmup
+        x = wait(fwd_pending)[0]
+        mb, c = fwd[fk]
+        y = run.forward(mb, c, x)
+        fwd_pending = _post(ctx, send_next=fwd_send(fk, y), recv_prev=fwd_recv(fk + 1))
+        grad = wait(bwd_pending)[1]
+        bmb, bc = bwd[k]
+        dx = run.backward(bmb, bc, grad)
+        bwd_pending = _post(ctx, send_prev=bwd_send(k, dx), recv_next=bwd_recv(k + 1))
+
+    # Cool-down: the remaining backwards.
+    wait(fwd_pending)
+    for k in range(total - warmup, total):
+        grad = wait(bwd_pending)[1]
+        bmb, bc = bwd[k]
+        dx = run.backward(bmb, bc, grad)
+        bwd_pending = _post(ctx, send_prev=bwd_send(k, dx), recv_next=bwd_recv(k + 1))
+    wait(bwd_pending)
+
+
+def _post(ctx, **directions):
+    """Post the given directions (None ones are skipped); None when nothing is posted."""
+    directions = {k: v for k, v in directions.items() if v is not None}
+    return p2p.post(ctx, **directions) if directions else None

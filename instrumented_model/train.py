@@ -157,7 +157,8 @@ def train(config: TrainConfig, pstate) -> list[dict]:
                     wgrad_s=config.wgrad_ms / 1000, fwd_delay_s=fwd_delay, bwd_delay_s=bwd_delay,
                     device=device,
                 )
-            forward_backward(PipelineRun(compute, ctx, m, coords.pp, config.pp, config.vpp))
+            forward_backward(PipelineRun(compute, ctx, m, coords.pp, config.pp, config.vpp,
+                                         overlap_p2p_comm=config.overlap_p2p_comm))
             _sync_data_parallel(config, pstate, chunks, reducer, dp_cp_size)
             loss_sum = getattr(compute, "loss_sum", torch.zeros(()))
             grad_norm, loss_total = _global_norm_and_loss(chunks, pstate, loss_sum, device)

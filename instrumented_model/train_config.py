@@ -58,6 +58,7 @@ class TrainConfig:
     cp_overlap: bool = True
     schedule: str = "1f1b"
     vpp: int = 1
+    overlap_p2p_comm: bool = False  # Megatron's overlap_p2p_comm (interleaved only)
     microbatches: int = 4
     micro_batch_size: int = 1
     layers: int = 4
@@ -152,6 +153,8 @@ class TrainConfig:
                 )
         elif self.vpp > 1:
             raise ValueError(f"--vpp {self.vpp} needs --schedule interleaved, got {self.schedule!r}")
+        if self.overlap_p2p_comm and self.schedule != "interleaved":
+            raise ValueError(f"--overlap-p2p-comm needs --schedule interleaved, got {self.schedule!r}")
         if self.schedule == "zb-h1" and self.pp < 2:
             raise ValueError("--schedule zb-h1 needs --pp >= 2 (it splits the pipeline's backward)")
 
@@ -186,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-cp-overlap", dest="cp_overlap", action="store_false")
     ap.add_argument("--schedule", default=d.schedule, choices=SCHEDULES)
     ap.add_argument("--vpp", type=int, default=d.vpp, help="virtual chunks per stage (interleaved)")
+    ap.add_argument("--overlap-p2p-comm", action="store_true",
+                    help="interleaved: post each exchange after its pass, wait right before use (Megatron's overlap_p2p_comm)")
     ap.add_argument("--microbatches", type=int, default=d.microbatches)
     ap.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     for name in ("layers", "hidden", "heads", "seq_len", "vocab_size", "steps", "seed"):

@@ -71,23 +71,30 @@ def sleep_runs(tmp_path_factory):
     return {
         "1f1b": _train(base / "1f1b", [*SLEEP, "--bwd-ms", "20"]),
         "interleaved": _train(base / "interleaved", [*SLEEP, "--bwd-ms", "20", "--schedule", "interleaved", "--vpp", "2"]),
+        # Megatron's overlap_p2p_comm: same passes and messages, exchanges split and waited late.
+        "interleaved-overlap": _train(base / "interleaved-overlap", [*SLEEP, "--bwd-ms", "20", "--schedule",
+                                                                     "interleaved", "--vpp", "2", "--overlap-p2p-comm"]),
         "zb-h1": _train(base / "zb", [*SLEEP, "--bwd-ms", "10", "--wgrad-ms", "10", "--schedule", "zb-h1"]),
     }
 
 
+SCHEDULES = ["1f1b", "interleaved", "interleaved-overlap", "zb-h1"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_traced_order_equals_schedule_table(sleep_runs, schedule):
-    run, v = sleep_runs[schedule], 2 if schedule == "interleaved" else 1
+    run, v = sleep_runs[schedule], 2 if schedule.startswith("interleaved") else 1
     for rank in range(4):
         for step, ranges in _ranges(run, rank).items():
-            assert _traced_order(ranges) == schedule_table(schedule, 4, rank, 8, v), (rank, step)
+            assert _traced_order(ranges) == schedule_table(schedule.split("-overlap")[0], 4, rank, 8, v), (rank, step)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_rank_traces_contract_ranges(sleep_runs, schedule):
     run = sleep_runs[schedule]
+    interleaved = schedule.startswith("interleaved")
     for rank in range(4):
         steps = _ranges(run, rank)
         assert sorted(steps) == [1, 2]
@@ -96,23 +103,23 @@ def test_every_rank_traces_contract_ranges(sleep_runs, schedule):
             if schedule == "zb-h1":
                 assert names["compute:bwd_input"] == names["compute:bwd_weight"] == 8
             else:
-                assert names["compute:bwd"] == 8 * (2 if schedule == "interleaved" else 1)
+                assert names["compute:bwd"] == 8 * (2 if interleaved else 1)
             assert names["dp:all_reduce"] == 1 and names["compute:optimizer"] == 1
             p2p = [n for _, _, n in ranges if n.kind == "pp"]
             for n in p2p:
                 assert {"peer", "mb", "bytes"} <= set(n.tags)
-                assert ("chunk" in n.tags) == (schedule == "interleaved")
+                assert ("chunk" in n.tags) == interleaved
             ops = {n.op for n in p2p}
             # Interleaved: a ring, every stage both sends and receives in both directions.
-            expect = {"send_fwd", "recv_bwd"} if rank < 3 or schedule == "interleaved" else set()
-            expect |= {"recv_fwd", "send_bwd"} if rank > 0 or schedule == "interleaved" else set()
+            expect = {"send_fwd", "recv_bwd"} if rank < 3 or interleaved else set()
+            expect |= {"recv_fwd", "send_bwd"} if rank > 0 or interleaved else set()
             assert ops == expect
             grad_norm = [n for _, _, n in ranges if n.kind == "dp"]
             assert grad_norm[-1].tags["what"] == "grad_norm"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_send_has_exactly_one_recv(sleep_runs, schedule):
     run = sleep_runs[schedule]
     per_rank = {rank: _ranges(run, rank) for rank in range(4)}
@@ -144,8 +151,11 @@ def test_sleep_mode_step_times_follow_theory(sleep_runs):
     assert t_1f1b == pytest.approx(0.330, rel=0.15)
     # Shorter than 1F1B by theory: interleaved saves (p-1)(t_f+t_b)(1-1/v) = 45 ms, ZB-H1
     # saves 2(p-1)t_w = 60 ms. Interleaved sends twice the p2p messages on the critical path,
-    # so the tolerance is "at least 40% of the theoretical saving, at most 150%".
-    for schedule, saving in (("interleaved", 0.045), ("zb-h1", 0.060)):
+    # so the tolerance is "at least 40% of the theoretical saving, at most 150%". Interleaved
+    # with Megatron's blocking four-way exchanges puts ~2 ms of gloo latency per round on the
+    # critical path of this 2-core box and saves nothing (measured); overlap_p2p_comm, which
+    # Megatron offers for exactly this, takes it off.
+    for schedule, saving in (("interleaved-overlap", 0.045), ("zb-h1", 0.060)):
         measured = t_1f1b - _median_step_s(sleep_runs[schedule])
         assert 0.4 * saving <= measured <= 1.5 * saving, (schedule, measured, saving)
 
@@ -172,6 +182,7 @@ def reference_losses(tmp_path_factory):
         # pp x dp, ZB-H1's split backward and the overlapped DP reducer armed before the last W.
         ["--pp", "2", "--dp", "2", "--dp-overlap", "--schedule", "zb-h1"],
         ["--pp", "2", "--schedule", "interleaved", "--vpp", "2"],
+        ["--pp", "2", "--schedule", "interleaved", "--vpp", "2", "--overlap-p2p-comm"],
         ["--tp", "2", "--sp", "--cp", "2"],
         ["--cp", "2", "--cp-algo", "ulysses"],
     ],
