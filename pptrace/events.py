@@ -17,7 +17,8 @@ start_ns, end_ns   int64      **this rank's own clock**: baseTimeNanoseconds + t
                               could not hold it). ``Run.events`` shifts them onto the reference
                               clock and keeps the originals in raw_start_ns / raw_end_ns.
 dur_ns             int64      end_ns - start_ns
-kind, op           category   from :func:`pptrace.naming.parse_name`; null for other names
+kind, op           category   from :func:`pptrace.naming.parse_name`, else Megatron-Core's own
+                              names (:mod:`pptrace.megatron_names`); null for other names
 mb, chunk, peer,   Int64      the contract-1 tags of that name (nullable). ``ring_step`` is the
 ring_step, layer,             ``step=`` tag (CP ring step), renamed so that it cannot be mistaken
 bucket, bytes                 for the profiler step below
@@ -32,7 +33,9 @@ external_id        Int64      Kineto "External id" (CPU op <-> GPU activity)
 is_nccl            bool       GPU kernel named ``nccl*Kernel*`` (ncclKernel_ and ncclDevKernel_)
 gpu_annotation     bool       a ``gpu_user_annotation``: a record_function range projected on
                               a stream
-collective         category   record_param_comms / NCCL kernel "Collective name" (allreduce, ...)
+collective         category   record_param_comms / NCCL kernel "Collective name" (allreduce, ...);
+                              NCCL kernels without it take it from the host op that launched
+                              them (:mod:`pptrace.nccl_link`), as do group_ranks ... comm_seq
 group_ranks        category   "Process Group Ranks" as written, e.g. ``"[0, 1]"``
 pg_name            category   "Process Group Name"
 in_nelems,         Int64      "In msg nelems" / "Out msg nelems"
@@ -63,9 +66,12 @@ import numpy as np
 import orjson
 import pandas as pd
 
+from .megatron_names import parse_megatron_name
 from .naming import parse_name
+from .nccl_link import link_nccl_kernels
 
-SCHEMA_VERSION = 1
+# 2: NCCL kernels carry their launching collective (nccl_link), Megatron names classified
+SCHEMA_VERSION = 2
 
 CATEGORIES = (
     "compute", "comm:tp", "comm:cp", "comm:dp", "comm:ep", "p2p", "wait", "step",
@@ -111,6 +117,8 @@ def classify(name: str, cat: str | None) -> dict:
     out = {"kind": None, "op": None, "tags": None, **{t: None for t in TAG_COLUMNS}}
     out["is_nccl"] = cat == "kernel" and is_nccl_kernel(name)
     parsed = parse_name(name)
+    if parsed is None:
+        parsed = parse_megatron_name(name)
     if parsed is not None:
         out["kind"], out["op"] = parsed.kind, parsed.op
         rest = {}
@@ -293,6 +301,7 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
     main_tid = _main_tid(df, gpu)
     _add_lanes(df, gpu, main_tid, threads)
     _add_rpc(df, rpc)
+    link_nccl_kernels(df)
     _add_steps(df, gpu)
     info = {
         "threads": {int(k): v for k, v in threads.items()},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .projection import gpu_extent
 from .topology import Layout
 
 PAIR_COLUMNS = (
@@ -44,6 +45,7 @@ def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
     keep = is_send | op.str.startswith("recv_", na=False).to_numpy()
     ev, op, send = ev[keep], op[keep], is_send[keep]
     rank, peer = ev["rank"].to_numpy(np.int64), _int(ev["peer"])
+    start, end, _ = gpu_extent(events, ev)
     out = pd.DataFrame({
         "index": ev.index.to_numpy(),
         "rank": rank,
@@ -55,7 +57,8 @@ def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
         "mb": _int(ev["mb"]), "chunk": _int(ev["chunk"]), "ring_step": _int(ev["ring_step"]),
         "layer": _int(ev["layer"]), "step": ev["step"].to_numpy(np.int64),
         "bytes": _int(ev["bytes"], 0),
-        "start_ns": ev["start_ns"].to_numpy(np.int64), "end_ns": ev["end_ns"].to_numpy(np.int64),
+        # GPU traces: when the transfer ran on the stream, not when the host launched it
+        "start_ns": start, "end_ns": end,
     })
     return out.sort_values(["start_ns", "index"], kind="stable").reset_index(drop=True)
 

@@ -12,6 +12,7 @@ import pandas as pd
 from .analyzers.activity import DIMS
 from .analyzers.breakdown import PARTS, activities, breakdown_table, partition_run, pipeline_windows
 from .analyzers.collectives import collectives_by_dim, instances
+from .analyzers.gpu import gpu_timeline
 from .analyzers.p2p import link_table, match_pairs
 from .analyzers.pipeline import microbatch_times, pipeline_stages
 from .analyzers.runview import RunView, view_of
@@ -51,11 +52,41 @@ def _select(view: RunView, steps, ranks) -> tuple[RunView, list[str]]:
     return RunView(**{**view.__dict__, "steps": tuple(keep)}), warnings
 
 
+def _gpu_warnings(view: RunView, acts: dict, gpu: pd.DataFrame, contract: bool) -> list[str]:
+    """What a GPU trace could not tell, and the launch-bound hint."""
+    warnings = []
+    if not contract and len(gpu):
+        warnings.append(
+            "traces without pptrace ranges: pipeline bubble cannot be separated from p2p wait; NCCL send/recv "
+            "kernels count as pp_transfer (wait included) and GPU idle time as other; showing "
+            "idle instead (instrument the trainer with pptrace.region for the full breakdown)"
+        )
+    guessed = {r: a.unknown_groups for r, a in acts.items() if a.unknown_groups}
+    if guessed:
+        warnings.append(
+            f"{sum(guessed.values())} NCCL collective kernels (ranks {sorted(guessed)[:8]}) belong to "
+            "process groups that neither a pg_desc nor the layout names: counted as dp (all_to_all "
+            "as ep); give the layout (tp/cp/pp/dp) or name groups with new_group(group_desc=...)"
+        )
+    if len(gpu):
+        mean = gpu.groupby("rank")[["time_s", "idle_s", "launch_bound_s", "host_launching_s"]].mean()
+        for rank, row in mean.iterrows():
+            if row.idle_s >= 0.1 * row.time_s and row.launch_bound_s >= 0.5 * row.idle_s and row.idle_s > 0:
+                warnings.append(
+                    f"rank {rank} looks launch-bound: the GPU is idle {row.idle_s / row.time_s:.0%} of "
+                    f"the step, {row.launch_bound_s / row.idle_s:.0%} of it waiting for the host to "
+                    f"launch work (host in CUDA calls {row.host_launching_s * 1e3:.2f} ms of it); "
+                    "fewer, larger kernels (fusion, CUDA graphs) or less host work per step would help"
+                )
+    return warnings
+
+
 def _input_warnings(view: RunView, partitions, pairs_unmatched) -> list[str]:
     ev = view.events
     warnings = []
     contract = ev["kind"].isin(list(KNOWN_KINDS)) & (ev["lane_kind"] == "host")
-    if not contract.any():
+    gpu_run = ev["category"].isin(["kernel_compute", "kernel_comm"]).any()
+    if not contract.any() and not gpu_run:
         warnings.append(
             "traces without pptrace ranges: dims from process-group metadata; bubble cannot be "
             "separated from p2p: NCCL send/recv kernels count as pp_transfer, and time outside "
@@ -70,6 +101,13 @@ def _input_warnings(view: RunView, partitions, pairs_unmatched) -> list[str]:
         warnings.append(
             f"ranks {unstepped[:8]} have no profiled ProfilerStep#N range on their main thread; "
             "their time is not partitioned (call prof.step() every step)"
+        )
+    untagged = ((ev["category"] == "p2p") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
+                & ev["peer"].isna()).sum()
+    if untagged:
+        warnings.append(
+            f"{untagged} pipeline p2p ranges carry no peer/mb tags (Megatron's own range names): "
+            "they cannot be paired, so their wait and transfer are not split; counted as pp_transfer"
         )
     if len(pairs_unmatched):
         warnings.append(
@@ -90,7 +128,11 @@ def _input_warnings(view: RunView, partitions, pairs_unmatched) -> list[str]:
     return warnings
 
 
-def _rank_entries(view: RunView, table: pd.DataFrame, ranks) -> list[dict]:
+_GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_pct", "comm_exposed_s",
+               "memcpy_s", "memcpy_exposed_s", "idle_s", "launch_bound_s", "host_launching_s")
+
+
+def _rank_entries(view: RunView, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> list[dict]:
     out = []
     for rank in view.ranks:
         if ranks is not None and rank not in ranks:
@@ -102,11 +144,19 @@ def _rank_entries(view: RunView, table: pd.DataFrame, ranks) -> list[dict]:
             "breakdown_s": {part: getattr(row, part) for part in PARTS},
             "hidden_s": {d: getattr(row, f"hidden_{d}") for d in DIMS},
         } for row in mine.itertuples()]
+        # GPU timeline (gpu.py): beside the partition, memcpy and idle apart, launch-bound
+        on_gpu = gpu[gpu["rank"] == rank].set_index("step") if len(gpu) else gpu
+        for entry in steps:
+            if entry["step"] in on_gpu.index:
+                g = on_gpu.loc[entry["step"]]
+                entry["gpu"] = {k: g[k] for k in _GPU_FIELDS} | {"launch_bound": bool(g["launch_bound"])}
         mean = None
         if len(mine):
             mean = {"time_s": mine["time_s"].mean(),
                     "breakdown_s": {part: mine[part].mean() for part in PARTS},
                     "hidden_s": {d: mine[f"hidden_{d}"].mean() for d in DIMS}}
+            if len(on_gpu):
+                mean["gpu"] = {k: on_gpu[k].astype(float).mean() for k in _GPU_FIELDS}
         out.append({
             "rank": rank, "coords": coords,
             "describe": view.layout.describe(rank) if rank < view.layout.world_size else None,
@@ -141,6 +191,7 @@ def build_report(run, steps=None, ranks=None) -> dict:
     pairs, unmatched = match_pairs(view)
     partitions = partition_run(view, acts, (pairs, unmatched))
     table = breakdown_table(partitions)
+    gpu = gpu_timeline(view.events, set(view.steps) if view.steps else None)
     n_steps = max(len(view.steps), 1)
     stages, pipe = pipeline_stages(view, partitions)
     sel_pairs = pairs[pairs["step"].isin(list(view.steps))] if view.steps else pairs
@@ -158,7 +209,7 @@ def build_report(run, steps=None, ranks=None) -> dict:
             "schedule": view.schedule, "microbatches": view.microbatches or pipe.get("microbatches"),
             "vpp": view.vpp, "steps": list(view.steps), "ranks": list(view.ranks),
         },
-        "ranks": _rank_entries(view, table, ranks),
+        "ranks": _rank_entries(view, table, ranks, gpu),
         "pipeline": {
             **pipe,
             "stages": stages.to_dict("records") if len(stages) else [],
@@ -173,7 +224,9 @@ def build_report(run, steps=None, ranks=None) -> dict:
         },
         "collectives": collectives_by_dim(view, chosen, inst).to_dict("records"),
         "stragglers": find_stragglers(partitions, sel_pairs, inst).to_dict("records"),
-        "warnings": [*view.warnings, *warnings, *_input_warnings(view, partitions, unmatched)],
+        "warnings": [*view.warnings, *warnings, *_input_warnings(view, partitions, unmatched),
+                     *_gpu_warnings(view, acts, gpu, bool((view.events["kind"].isin(list(KNOWN_KINDS))
+                                                          & (view.events["lane_kind"] == "host")).any()))],
     }
     return _clean(report)
 

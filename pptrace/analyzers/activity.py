@@ -6,17 +6,25 @@ communication range is nested in them (model-mode forward contains its TP all-re
 A dimension's communication is *in progress* during its ranges and waits, from the launch
 of an async op to the end of its annotated wait (the span in which the data may be moving
 while the thread does other work), and during gloo worker-thread work enqueued from inside
-one of its ranges. GPU traces: non-NCCL kernels compute; NCCL kernels communicate, their
-dimension read from the process-group ranks of the collective.
+one of its ranges. GPU traces: non-NCCL kernels (any stream) compute; NCCL collective
+kernels communicate, their dimension read, in this order, from a contract range projected
+around them on the stream (gpu_user_annotation), the pg_desc of their process group
+(distributedInfo.pg_config), the layout group with exactly their ranks; NCCL send/recv
+kernels (by their launching op, nccl_link.py) are pipeline p2p; memcpy/memset are kept
+apart, being neither compute nor communication.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import re
 
 import numpy as np
 import pandas as pd
 
 from ..events import tags_of
+from ..nccl_link import is_p2p_collective
+from ..projection import gpu_extent
 from .intervals import Intervals, union
 
 DIMS = ("tp", "cp", "dp", "ep")
@@ -32,6 +40,9 @@ class Activity:
     comm: dict            # dim -> Intervals (in progress, step-final collective excluded)
     step_final: dict      # dim -> Intervals of the step-final collective
     gpu: bool             # compute/comm came from GPU kernels
+    p2p: Intervals = field(default_factory=Intervals.empty)     # NCCL send/recv kernels (GPU)
+    memcpy: Intervals = field(default_factory=Intervals.empty)  # memcpy/memset (GPU): neither
+    unknown_groups: int = 0   # NCCL collective kernels whose dim was guessed
 
 
 def _host_ranges(ev: pd.DataFrame) -> pd.DataFrame:
@@ -151,19 +162,69 @@ def _innermost_compute(lane: pd.DataFrame) -> Intervals:
     return out
 
 
-def _gpu_dim(group_ranks, rank: int, layout) -> str:
+_DESC_WORDS = (  # pg_desc words -> dim; Megatron's group_desc names first, checked in order
+    ("ep", ("expert", "ep", "moe")), ("cp", ("context", "cp")), ("tp", ("tensor", "tp")),
+    ("dp", ("data", "dp", "fsdp", "zero")),
+)
+
+
+def _members(group_ranks) -> list[int]:
     try:
-        members = sorted(int(x) for x in str(group_ranks).strip("[]() ").split(",") if x.strip())
+        return sorted(int(x) for x in str(group_ranks).strip("[]() ").split(",") if x.strip())
     except ValueError:
-        members = []
+        return []
+
+
+def dim_of_desc(desc) -> str | None:
+    """``pg_desc`` of distributedInfo.pg_config -> dim, or None when it does not say (one
+    group named after two dims, like Megatron's TENSOR_AND_DATA_PARALLEL_GROUP, says nothing)."""
+    if not isinstance(desc, str):
+        return None
+    words = set(re.split(r"[^a-z]+", desc.lower())) - {""}
+    found = [dim for dim, keys in _DESC_WORDS if words & set(keys)]
+    return found[0] if len(found) == 1 else None
+
+
+def _gpu_dim(group_ranks, rank: int, layout, collective=None, pg_name=None, groups=None):
+    """(dim, known) of one NCCL collective kernel: the pg_desc of its process group when it
+    names a dim, else the layout dim whose group has exactly its ranks; unknown groups count
+    as dp (grad sync, norms over the world), all_to_all on an unknown group as ep."""
+    group = (groups or {}).get(str(pg_name)) if pg_name is not None else None
+    if group:
+        dim = dim_of_desc(group.get("desc"))
+        if dim:
+            return dim, True
+        if group_ranks is None or pd.isna(group_ranks):
+            group_ranks = group.get("ranks")
+    members = _members(group_ranks) if group_ranks is not None and not (
+        isinstance(group_ranks, float) and pd.isna(group_ranks)) else []
     for dim in ("tp", "cp", "dp"):
         if layout.size(dim) > 1 and rank < layout.world_size and sorted(layout.group_ranks(dim, rank)) == members:
-            return dim
-    return "dp"  # the world group and unknown groups: data-parallel-like (grad sync, norms)
+            return dim, True
+    fam = str(collective).replace("_", "").lower() if isinstance(collective, str) else ""
+    return ("ep" if fam.startswith("alltoall") else "dp"), False
 
 
-def rank_activity(ev: pd.DataFrame, rank: int, layout) -> Activity:
-    """The activity of one rank from its (aligned) events."""
+def _is_p2p_kernel(names: pd.Series, collectives: pd.Series) -> np.ndarray:
+    """Point-to-point NCCL kernels: by their linked collective (send/recv) when known; a
+    SendRecv kernel of an all_to_all is a collective. Unlinked kernels: by name."""
+    coll = collectives.astype(object)
+    known = coll.notna().to_numpy()
+    by_coll = np.array([is_p2p_collective(c) for c in coll], dtype=bool)
+    by_name = names.astype(str).str.contains("SendRecv|Send_|Recv_", regex=True).to_numpy()
+    return np.where(known, by_coll, by_name)
+
+
+def _annotation_dims(ev: pd.DataFrame) -> list[tuple]:
+    """(dim, stream, start, end) of contract communication ranges projected on GPU streams
+    (gpu_user_annotation): the kernels inside run that dim's communication."""
+    ann = ev[ev["gpu_annotation"] & ev["kind"].isin(list(DIMS)) & ev["category"].astype(str).str.startswith(("comm:", "wait"))]
+    return [(str(r.kind), r.stream, int(r.start_ns), int(r.end_ns)) for r in ann.itertuples()]
+
+
+def rank_activity(ev: pd.DataFrame, rank: int, layout, groups: dict | None = None) -> Activity:
+    """The activity of one rank from its (aligned) events; ``groups`` maps its process-group
+    names to {"desc", "ranks"} (distributedInfo.pg_config), when the trace has them."""
     ranges = _host_ranges(ev)
     kernels = ev[ev["category"].isin(["kernel_compute", "kernel_comm"])]
     comm_parts = {d: ([], []) for d in DIMS}
@@ -175,22 +236,36 @@ def rank_activity(ev: pd.DataFrame, rank: int, layout) -> Activity:
         target[dim][1].append(e)
 
     gpu = not kernels.empty
+    p2p, memcpy, unknown = Intervals.empty(), Intervals.empty(), 0
     if gpu:
         comp = kernels[kernels["category"] == "kernel_compute"]
         compute = union(comp["start_ns"].to_numpy(), comp["end_ns"].to_numpy())
+        mem = ev[ev["category"] == "memcpy"]
+        memcpy = union(mem["start_ns"].to_numpy(), mem["end_ns"].to_numpy())
         nccl = kernels[kernels["category"] == "kernel_comm"]
-        p2p_like = nccl["name"].astype(str).str.contains("SendRecv|Send_|Recv_", regex=True) | \
-            nccl["collective"].astype(str).isin(["send", "recv"])
-        for row in nccl[~p2p_like].itertuples():
-            add(_gpu_dim(row.group_ranks, rank, layout), row.start_ns, row.end_ns, False)
+        is_p2p = _is_p2p_kernel(nccl["name"], nccl["collective"])
+        p2p = union(nccl.loc[is_p2p, "start_ns"].to_numpy(), nccl.loc[is_p2p, "end_ns"].to_numpy())
+        annotated = _annotation_dims(ev)
+        for row in nccl[~is_p2p].itertuples():
+            inside = [d for d, stream, s, e in annotated
+                      if s <= row.start_ns and row.end_ns <= e and (pd.isna(stream) or stream == row.stream)]
+            if inside:
+                dim = inside[-1]
+            else:
+                dim, known = _gpu_dim(row.group_ranks, rank, layout, row.collective, row.pg_name, groups)
+                unknown += not known
+            add(dim, row.start_ns, row.end_ns, False)
     else:
         compute = Intervals.empty()
         for _, lane in ranges.groupby("lane", observed=True):
             compute = compute | _innermost_compute(lane)
-    # Host-side ranges mark communication in both modes (on GPU they add the launch side).
-    for row in ranges[ranges["category"].astype(str).str.startswith("comm:") | (ranges["category"] == "wait")].itertuples():
+    # Host-side ranges mark communication in both modes; on GPU, where Kineto projected
+    # them onto a stream, their GPU-side extent (the host side is only the launch).
+    marked = ranges[ranges["category"].astype(str).str.startswith("comm:") | (ranges["category"] == "wait")]
+    starts, ends, _ = gpu_extent(ev, marked) if gpu else (marked["start_ns"], marked["end_ns"], None)
+    for row, s, e in zip(marked.itertuples(), starts, ends):
         if row.kind in DIMS:
-            add(row.kind, row.start_ns, row.end_ns, _is_step_final(row.tags))
+            add(row.kind, int(s), int(e), _is_step_final(row.tags))
     for dim, s, e, final in _async_spans(ranges) + ([] if gpu else _worker_spans(ev, ranges)):
         add(dim, s, e, final)
     return Activity(
@@ -198,13 +273,12 @@ def rank_activity(ev: pd.DataFrame, rank: int, layout) -> Activity:
         compute=compute,
         comm={d: union(*comm_parts[d]) for d in DIMS},
         step_final={d: union(*final_parts[d]) for d in DIMS},
-        gpu=gpu,
+        gpu=gpu, p2p=p2p, memcpy=memcpy, unknown_groups=unknown,
     )
 
 
 def gpu_p2p_kernels(ev: pd.DataFrame) -> Intervals:
     """NCCL point-to-point kernels (GPU traces): transfer and wait cannot be told apart."""
     nccl = ev[ev["category"] == "kernel_comm"]
-    m = nccl["name"].astype(str).str.contains("SendRecv|Send_|Recv_", regex=True) | \
-        nccl["collective"].astype(str).isin(["send", "recv"])
+    m = _is_p2p_kernel(nccl["name"], nccl["collective"])
     return union(nccl.loc[m, "start_ns"].to_numpy(), nccl.loc[m, "end_ns"].to_numpy())

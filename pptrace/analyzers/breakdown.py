@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
-from .activity import DIMS, Activity, gpu_p2p_kernels, rank_activity
-from .intervals import Intervals, partition
+from ..projection import gpu_extent
+from .activity import DIMS, Activity, rank_activity
+from .gpu import gpu_step_windows
+from .intervals import Intervals, partition, union
 from .p2p import match_pairs, split_by_rank
 from .runview import RunView
 
@@ -53,13 +56,30 @@ def pipeline_windows(view: RunView) -> dict:
     ops = host[(host["category"] == "p2p") | ((host["category"] == "compute") & host["op"].isin(PIPELINE_COMPUTE))]
     if ops.empty:
         return {}
+    start, end, _ = gpu_extent(ev, ops)  # GPU traces: where the work ran, not its launch
+    ops = ops.assign(start_ns=start, end_ns=end)
     g = ops.groupby("step").agg(start=("start_ns", "min"), end=("end_ns", "max"))
     return {int(s): (int(row.start), int(row.end)) for s, row in g.iterrows()}
 
 
+def untagged_p2p(view: RunView) -> dict:
+    """rank -> Intervals of pipeline p2p ranges without a peer (Megatron's own names carry
+    none): they cannot pair, so like unmatched ranges they count as pp_transfer."""
+    ev = view.events
+    sel = ev[(ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
+             & ~ev["gpu_annotation"].to_numpy() & ev["peer"].isna().to_numpy()]
+    if sel.empty:
+        return {}
+    start, end, _ = gpu_extent(ev, sel)
+    ranks = sel["rank"].to_numpy()
+    return {int(r): union(start[ranks == r], end[ranks == r]) for r in np.unique(ranks)}
+
+
 def activities(view: RunView) -> dict:
     """rank -> Activity, computed once per run."""
-    return {int(r): rank_activity(grp, int(r), view.layout) for r, grp in view.events.groupby("rank", observed=True)}
+    groups = view.process_groups
+    return {int(r): rank_activity(grp, int(r), view.layout, groups.get(int(r)))
+            for r, grp in view.events.groupby("rank", observed=True)}
 
 
 def partition_step(act: Activity, step: int, window: tuple, pipe: tuple | None,
@@ -86,14 +106,21 @@ def partition_run(view: RunView, acts: dict | None = None, pairs=None) -> list[S
         pairs = match_pairs(view)
     split = split_by_rank(*pairs)
     windows = pipeline_windows(view)
+    # GPU ranks are partitioned on their GPU timeline: see gpu.py for why its step windows
+    gpu_windows = gpu_step_windows(view.events, set(view.steps) if view.steps else None) \
+        if any(a.gpu for a in acts.values()) else {}
+    untagged = untagged_p2p(view)
     out = []
     for (rank, step), window in sorted(step_windows(view).items()):
         act = acts.get(rank)
         if act is None:
             continue
         wait, transfer = split.get(rank, (Intervals.empty(), Intervals.empty()))
+        if rank in untagged:
+            transfer = transfer | (untagged[rank] - wait)
         if act.gpu:
-            transfer = transfer | (gpu_p2p_kernels(view.events[view.events["rank"] == rank]) - wait)
+            window = gpu_windows.get((rank, step), window)
+            transfer = transfer | (act.p2p - wait)
         out.append(partition_step(act, step, window, windows.get(step), wait, transfer))
     return out
 

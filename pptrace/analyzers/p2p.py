@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..projection import gpu_extent
 from .intervals import Intervals, union
 from .runview import RunView
 
@@ -27,6 +28,7 @@ def p2p_events(view: RunView) -> pd.DataFrame:
     ev = view.events
     sel = ev[(ev["category"] == "p2p") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
              & ev["op"].isin(list(_DIRECTION)) & ev["peer"].notna()]
+    start, end, _ = gpu_extent(ev, sel)
     out = pd.DataFrame({
         "index": sel.index.to_numpy(),
         "rank": sel["rank"].to_numpy(np.int64),
@@ -37,8 +39,8 @@ def p2p_events(view: RunView) -> pd.DataFrame:
         "chunk": sel["chunk"].fillna(-1).to_numpy(np.int64),
         "step": sel["step"].to_numpy(np.int64),
         "bytes": sel["bytes"].fillna(0).to_numpy(np.int64),
-        "start_ns": sel["start_ns"].to_numpy(np.int64),
-        "end_ns": sel["end_ns"].to_numpy(np.int64),
+        "start_ns": start,  # GPU traces: the GPU-side extent (projection.py)
+        "end_ns": end,
     })
     out["src"] = np.where(out["is_send"], out["rank"], out["peer"])
     out["dst"] = np.where(out["is_send"], out["peer"], out["rank"])

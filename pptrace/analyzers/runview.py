@@ -29,6 +29,8 @@ class RunView:
     has_pptrace: bool = True      # whether the traces carry the pptrace metadata block
     pairs: pd.DataFrame | None = None         # match.match_p2p output, when the loader made it
     collectives: pd.DataFrame | None = None   # match.match_collectives output, likewise
+    #: rank -> {pg_name: {"desc": pg_desc, "ranks": [...]}} from distributedInfo.pg_config
+    process_groups: dict = field(default_factory=dict)
 
     def __post_init__(self):
         missing = {"rank", "lane_kind", "start_ns", "end_ns", "category"} - set(self.events.columns)
@@ -74,6 +76,21 @@ def _offsets(run) -> tuple[dict, dict]:
     return offsets, bounds
 
 
+def process_groups(meta) -> dict:
+    """rank -> {pg_name: {"desc", "ranks"}} from each rank's distributedInfo.pg_config."""
+    out = {}
+    for rank, m in (meta.items() if isinstance(meta, dict) else ()):
+        dist = (m or {}).get("distributed") if isinstance(m, dict) else None
+        config = (dist or {}).get("pg_config") if isinstance(dist, dict) else None
+        if not isinstance(config, list):
+            continue
+        out[int(rank)] = {
+            str(g.get("pg_name")): {"desc": g.get("pg_desc"), "ranks": g.get("ranks")}
+            for g in config if isinstance(g, dict) and g.get("pg_name") is not None
+        }
+    return out
+
+
 def view_of(run) -> RunView:
     """The view of a loaded ``pptrace.run.Run`` (duck-typed: any object with its attributes)."""
     if isinstance(run, RunView):
@@ -98,4 +115,5 @@ def view_of(run) -> RunView:
         has_pptrace=bool(has_block),
         pairs=getattr(run, "pairs", None),
         collectives=getattr(run, "collectives", None),
+        process_groups=process_groups(meta),
     )
