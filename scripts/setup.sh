@@ -13,7 +13,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 
 if [ "${1:-}" = "--dev" ]; then
-    "$PY" -m pip install -q -e '.[dev]'
+    # The hta extra lets the tests cross-check GPU numbers against HTA (traceinsight, ~120 MB).
+    "$PY" -m pip install -q -e '.[dev,hta]'
     if ! command -v chromium >/dev/null 2>&1; then
         SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
         $SUDO apt-get update -qq
