@@ -71,3 +71,64 @@ def test_info_warns_about_a_bad_file_next_to_good_ones(run_dir, tmp_path):
     assert result.exit_code == 0
     assert "warning:" in result.output and "rank1.json" in result.output
     assert gzip.decompress((tmp_path / "rank0.json.gz").read_bytes())  # user files untouched
+
+
+# -- commands over a loaded run (synthetic GPipe run with known timing; real GPU traces) ----
+
+
+@pytest.fixture(scope="module")
+def gpipe_run(tmp_path_factory):
+    from tracegen import pipeline_run
+
+    run_dir, _ = pipeline_run(tmp_path_factory.mktemp("gpipe") / "run", pp=2, microbatches=4)
+    return run_dir
+
+
+def test_analyze_prints_tables_and_json(gpipe_run):
+    import json
+
+    result = invoke("analyze", gpipe_run)
+    assert result.exit_code == 0, result.output
+    assert "Pipeline bubble per stage" in result.output and "pp_bubble" in result.output
+    result = invoke("analyze", gpipe_run, "--json", "--steps", "1", "--ranks", "0")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["schema"] == "pptrace.analysis/1"
+    assert doc["run"]["steps"] == [1] and [r["rank"] for r in doc["ranks"]] == [0]
+
+
+def test_analyze_rejects_a_bad_list(gpipe_run):
+    result = invoke("analyze", gpipe_run, "--ranks", "zero")
+    assert result.exit_code == 2 and "is not a list like" in result.output
+
+
+@pytest.mark.parametrize("trace", ["nccl_allreduce_world2_rank0.json.gz", "no_distributed_info.json.gz",
+                                   "gloo_cpu_only_world300_rank34.json.gz"])
+def test_analyze_real_gpu_traces_exits_0_with_warnings(tmp_path, trace):
+    from conftest import FIXTURES
+
+    (tmp_path / trace).write_bytes((FIXTURES / trace).read_bytes())
+    result = invoke("analyze", tmp_path / trace)
+    assert result.exit_code == 0, result.output
+    assert "warning" in result.output.lower()
+
+
+def test_merge_dashboard_and_whatif(gpipe_run, tmp_path):
+    import gzip
+    import json
+
+    result = invoke("merge", gpipe_run, "-o", tmp_path / "merged.json.gz")
+    assert result.exit_code == 0, result.output
+    merged = json.loads(gzip.decompress((tmp_path / "merged.json.gz").read_bytes()))
+    assert {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"} >= {"rank 0 · pp0", "rank 1 · pp1"}
+
+    result = invoke("dashboard", gpipe_run, "-o", tmp_path / "report.html")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "report.html").read_text().count("<html") == 1
+
+    result = invoke("whatif", gpipe_run, "--schedule", "1f1b", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["predicted"]["step_time_s"] > 0 and len(doc["predicted"]["stages"]) == 2
+    result = invoke("whatif", gpipe_run, "--schedule", "1f1b", "--vpp", "2")
+    assert result.exit_code == 1 and result.output.startswith("Error:")

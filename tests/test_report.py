@@ -1,10 +1,9 @@
 """build_report / print_report: the contract-4 document and the terminal tables, on the
 synthetic pipeline (known numbers), through load_run, and on every real GPU trace in
-/work/shared/fixtures/hta-gpu (partial data must give warnings, never a crash)."""
+tests/data/hta-gpu (partial data must give warnings, never a crash)."""
 from __future__ import annotations
 
 import gzip
-from pathlib import Path
 
 import orjson
 import pytest
@@ -12,9 +11,9 @@ from rich.console import Console
 
 from pptrace.report import SCHEMA, build_report, print_report
 from pptrace.topology import Layout
+from conftest import FIXTURES
 from test_analyzers_synthetic import STAGE0, STAGE1, _trace, _view
 
-FIXTURES = Path("/work/shared/fixtures/hta-gpu")
 BREAKDOWN = {"compute", "pp_bubble", "pp_transfer", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "other"}
 
 
@@ -114,11 +113,9 @@ def test_missing_rank_gives_partial_results_and_warnings(tmp_path):
 
 @pytest.mark.parametrize("trace", sorted(p.name for p in FIXTURES.glob("*.json.gz")))
 def test_report_on_real_gpu_traces(trace):
-    if not FIXTURES.exists():
-        pytest.skip("fixtures not present")
     from pptrace.run import load_run
 
-    run = load_run(FIXTURES / trace)
+    run = load_run(FIXTURES / trace, use_cache=False)
     report = build_report(run)
     _check_contract(report)
     # each fixture is one rank of a bigger job, or lacks pptrace ranges: always something to say
