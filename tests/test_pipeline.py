@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from instrumented_model.schedule_table import (
+from pptrace.schedules import (
     interleaved_forward_order,
     num_warmup_microbatches,
     schedule_table,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from instrumented_model.schedule_table import schedule_table
+from pptrace.schedules import schedule_table
 from pptrace.simulate import SEND_MODES, PipelineTimes, simulate, stage_program
 
 TF, TB = 0.010, 0.020

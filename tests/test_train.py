@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from instrumented_model.schedule_table import schedule_table
+from pptrace.schedules import schedule_table
 from instrumented_model.train import main
 from pptrace.naming import parse_name
 

@@ -1,6 +1,8 @@
 """The order in which one pipeline stage runs its forward (F), backward (B) and weight-grad (W)
-passes, as pure functions of (schedule, p, r, m, v). The executing schedules in
-``pipeline_parallel.py`` follow these tables, and the tests compare traced order with them.
+passes, as pure functions of (schedule, p, r, m, v). The reference trainer's executing
+schedules (``instrumented_model/pipeline_parallel.py``) follow these tables, the what-if
+simulator replays them, and the tests compare traced order with them. They live in pptrace,
+not in the trainer, so that analysing a run never needs the trainer package.
 
 Notation: p pipeline stages, r this stage, m microbatches, v virtual chunks per stage.
 Entries are ``(op, microbatch, chunk)``; op "B" is the whole backward except in ZB-H1,
