@@ -67,11 +67,11 @@ class region:
     __slots__ = ("_name", "_tags", "_open")
 
     def __init__(self, name: str, _parsed=_PARSED_NAMES, /, **tags):
-        # `_parsed` is bound at definition time: a local lookup is cheaper on this hot path.
         if name not in _parsed:
             _check_name(name)
         self._name = name
         self._tags = tags
+        self._open = None
 
     @property
     def name(self) -> str:
@@ -82,9 +82,9 @@ class region:
             return format_name(parsed.kind, parsed.op, **self._tags)
         return format_name(parsed.kind, parsed.op, **{**parsed.tags, **self._tags})
 
-    def __enter__(self, _profiling=_profiler_enabled):
-        if _NVTX_DOMAIN is None and not _profiling():
-            self._open = None
+    def __enter__(self, _quiet=_NVTX_DOMAIN is None, _profiling=_profiler_enabled):
+        # Defaults bound at definition time: local lookups are cheaper on this hot path.
+        if _quiet and not _profiling():
             return self
         name = self.name
         opened = []
@@ -101,13 +101,13 @@ class region:
         self._open = opened
         return self
 
-    def __exit__(self, *exc):
-        if self._open:
+    def __exit__(self, exc_type, exc, tb):
+        if self._open is not None:
             for handle in reversed(self._open):
                 if handle is _NVTX_DOMAIN:
                     handle.pop_range()
                 else:
-                    handle.__exit__(*exc)
+                    handle.__exit__(exc_type, exc, tb)
             self._open = None
         return False
 
