@@ -101,7 +101,7 @@ class region:
         self._open = opened
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type=None, exc=None, tb=None):
         if self._open is not None:
             for handle in reversed(self._open):
                 if handle is _NVTX_DOMAIN:
