@@ -12,7 +12,7 @@ from rich.console import Console
 from pptrace.report import SCHEMA, build_report, print_report
 from pptrace.topology import Layout
 from conftest import FIXTURES
-from test_analyzers_synthetic import STAGE0, STAGE1, _trace, _view
+from test_analyzers_synthetic import STAGE0, STAGE1, _trace, _view, pipeline_view  # noqa: F401 (fixture)
 
 BREAKDOWN = {"compute", "pp_bubble", "pp_transfer", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "other"}
 
@@ -40,13 +40,6 @@ def _check_contract(report: dict) -> None:
     for s in report["stragglers"]:
         assert {"rank", "metric", "slowdown", "cost_s"} <= set(s)
     assert all(isinstance(w, str) for w in report["warnings"])
-
-
-@pytest.fixture
-def pipeline_view(tmp_path):
-    layout = Layout(pp=2)
-    return _view(tmp_path, {0: _trace(0, 2, STAGE0, layout=layout), 1: _trace(1, 2, STAGE1, layout=layout)},
-                 layout, schedule="1f1b", microbatches=2)
 
 
 def test_report_on_synthetic_pipeline(pipeline_view):

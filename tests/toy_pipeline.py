@@ -21,6 +21,23 @@ BWD_S = 0.006
 ACT_NUMEL = 2048  # float32 -> 8192 bytes per activation message
 
 
+def _pass(direction: str, mb: int, recv_from, send_to, seconds: float, act) -> None:
+    """One microbatch through this stage: receive, compute (a sleep), send on."""
+    import torch.distributed as dist
+
+    from pptrace import region
+
+    nbytes = act.numel() * act.element_size()
+    if recv_from is not None:
+        with region(f"pp:recv_{direction}", peer=recv_from, mb=mb, bytes=nbytes):
+            dist.recv(act, src=recv_from)
+    with region(f"compute:{direction}", mb=mb):
+        time.sleep(seconds)
+    if send_to is not None:
+        with region(f"pp:send_{direction}", peer=send_to, mb=mb, bytes=nbytes):
+            dist.send(act, dst=send_to)
+
+
 def _worker(rank: int, world: int, out_dir: str, microbatches: int, steps: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -42,32 +59,16 @@ def _worker(rank: int, world: int, out_dir: str, microbatches: int, steps: int) 
     nxt, prv = layout.pipeline_next_rank(rank), layout.pipeline_prev_rank(rank)
     act = torch.ones(ACT_NUMEL)
     grad = torch.ones(4096)
-    nbytes = act.numel() * act.element_size()
 
     with pptrace.profile(
         out_dir, steps=f"1-{steps - 1}", layout=layout, schedule="gpipe", microbatches=microbatches
     ) as prof:
         for _ in range(steps):
-            # forward: all microbatches (GPipe)
+            # GPipe: all forwards, then the backwards in the same microbatch order
             for mb in range(microbatches):
-                if prv is not None:
-                    with region("pp:recv_fwd", peer=prv, mb=mb, bytes=nbytes):
-                        dist.recv(act, src=prv)
-                with region("compute:fwd", mb=mb):
-                    time.sleep(FWD_S)
-                if nxt is not None:
-                    with region("pp:send_fwd", peer=nxt, mb=mb, bytes=nbytes):
-                        dist.send(act, dst=nxt)
-            # backward in the same microbatch order
+                _pass("fwd", mb, prv, nxt, FWD_S, act)
             for mb in range(microbatches):
-                if nxt is not None:
-                    with region("pp:recv_bwd", peer=nxt, mb=mb, bytes=nbytes):
-                        dist.recv(act, src=nxt)
-                with region("compute:bwd", mb=mb):
-                    time.sleep(BWD_S)
-                if prv is not None:
-                    with region("pp:send_bwd", peer=prv, mb=mb, bytes=nbytes):
-                        dist.send(act, dst=prv)
+                _pass("bwd", mb, nxt, prv, BWD_S, act)
             with region("dp:all_reduce", bucket=0, bytes=grad.numel() * 4):
                 work = dist.all_reduce(grad, group=dp_group, async_op=True)
             with region("dp:wait", op="all_reduce", bucket=0):
