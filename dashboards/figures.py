@@ -391,6 +391,61 @@ def straggler_figure(report: dict) -> go.Figure:
     return fig
 
 
+# -- measured vs replayed (what-if) -------------------------------------------------------------
+_MEASURED_PHASE = {"fwd": "F", "bwd": "B", "bwd_input": "B", "bwd_weight": "W"}
+
+
+def replay_figure(report: dict, whatif_result: dict) -> go.Figure:
+    """Each stage's F/B/W passes as measured (first profiled step, first rank of the stage)
+    above the same schedule replayed by the what-if simulator from the run's measured times:
+    where they differ, something the simulator does not model (contention, a slow link) cost
+    time. Both lanes start at 0 = the step's pipeline window start."""
+    title = "Measured vs replayed schedule"
+    rows = (report.get("pipeline") or {}).get("microbatch_times") or []
+    sim = ((whatif_result or {}).get("predicted") or {}).get("timeline") or {}
+    if not rows or not sim.get("rows"):
+        return _empty(title, "no pipeline passes to compare")
+    step = min(r["step"] for r in rows)
+    first_rank = {}
+    for r in rows:
+        first_rank.setdefault(r["stage"], r["rank"])
+    measured = [r for r in rows if r["step"] == step and r["rank"] == first_rank[r["stage"]]]
+    cols = sim["columns"]
+    simulated = [dict(zip(cols, r)) for r in sim["rows"] if dict(zip(cols, r))["kind"] in ("F", "B", "W")]
+    stages = sorted(first_rank)
+    lane = {}  # (source, stage) -> y; measured lane above its replay
+    for i, stage in enumerate(stages):
+        lane[("measured", stage)], lane[("replayed", stage)] = 2 * i, 2 * i + 1
+    blocks = [(("measured", r["stage"]), _MEASURED_PHASE.get(r["op"], "compute"), r["mb"],
+               r["start_s"], r["start_s"] + r["dur_s"]) for r in measured]
+    blocks += [(("replayed", r["stage"]), r["kind"], r["mb"], r["start_s"], r["end_s"]) for r in simulated]
+    fig = go.Figure()
+    for phase in ("F", "B", "W", "compute"):
+        mine = [b for b in blocks if b[1] == phase]
+        if not mine:
+            continue
+        x0 = np.array([b[3] for b in mine]) * 1e3
+        x1 = np.array([b[4] for b in mine]) * 1e3
+        xs, ys = _segments(x0, x1, np.array([lane[b[0]] for b in mine]))
+        text = [f"{b[0][0]} stage {b[0][1]}<br>{phase} mb {b[2]}<br>{(b[4] - b[3]) * 1e3:.3f} ms" for b in mine]
+        name, color = PHASE_STYLE[phase]
+        fig.add_trace(go.Scattergl(x=xs, y=ys, mode="lines", line={"width": 14, "color": color}, name=name,
+                                   text=_per_vertex(text), hoverinfo="text"))
+    measured_s = (whatif_result.get("measured") or {}).get("step_time_s")
+    replayed_s = whatif_result["predicted"].get("step_time_s")
+    labels = {y: f"{source} · stage {stage}" for (source, stage), y in lane.items()}
+    fig.update_layout(
+        title=f"{title}: step {_fmt_s(measured_s)} measured, {_fmt_s(replayed_s)} replayed",
+        height=max(260, 36 * len(lane) + 120), xaxis_title="ms from the pipeline window start",
+        yaxis={"tickvals": list(labels), "ticktext": list(labels.values()), "autorange": "reversed"},
+        legend={"orientation": "h"})
+    return fig
+
+
+def _fmt_s(seconds) -> str:
+    return "?" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
 def report_figures(report: dict) -> dict[str, go.Figure]:
     return {
         "partition": partition_figure(report),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from .figures import report_figures, timeline_figure
+from .figures import replay_figure, report_figures, timeline_figure
 from .timeline import build_timeline
 
 SECTIONS = (  # (figure key, heading, what to read in it)
@@ -23,6 +24,9 @@ SECTIONS = (  # (figure key, heading, what to read in it)
      "One lane group per rank, pipeline stages top to bottom. F/B/W blocks are labelled by "
      "microbatch (.chunk when interleaved); grey = no compute inside the pipeline window. "
      "Drag to zoom, double-click to reset, buttons switch steps."),
+    ("replay", "Measured vs replayed schedule",
+     "The what-if simulator replays this run's schedule from its measured pass times and p2p "
+     "latencies (`pptrace whatif`); a gap between the two lanes is time the model does not explain."),
     ("partition", "Where each rank's step goes", "DESIGN contract 3: the parts sum to the step."),
     ("bubble", "Bubble: measured vs theory", "Theory uses this run's measured t_f and t_b."),
     ("comm", "Communication", "Exposed = nothing else ran; hidden = overlapped compute."),
@@ -81,6 +85,13 @@ def build_figures(run, report: dict) -> dict:
     steps = (report.get("run") or {}).get("steps") or None
     tl = build_timeline(run.events, run.layout, steps=steps)
     figures = {"timeline": timeline_figure(tl)}
+    if run.layout.pp > 1:
+        from pptrace.whatif import whatif
+
+        try:
+            figures["replay"] = replay_figure(report, whatif(run))
+        except ValueError:  # a run the simulator cannot replay (no pipeline passes traced)
+            pass
     figures.update(report_figures(report))
     return figures
 
@@ -147,6 +158,11 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
     png_dir = Path(png_dir)
     png_dir.mkdir(parents=True, exist_ok=True)
     paths = [png_dir / f"{key}.png" for key in figures]
+    # choreographer logs (with a traceback) every browser message it cannot parse and then
+    # carries on; the images are fine, so its chatter stays out of the user's terminal.
+    chatter = logging.getLogger("choreographer")
+    level = chatter.level
+    chatter.setLevel(logging.CRITICAL)
     try:
         pio.write_images(list(figures.values()), paths, width=1400, scale=1)
     except Exception as exc:  # kaleido's errors are long; the user needs the fix, in one line
@@ -154,6 +170,8 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
             f"could not write PNGs to {png_dir}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]} "
             "(install Debian 'chromium' or set BROWSER_PATH to a Chrome/Chromium binary)"
         ) from None
+    finally:
+        chatter.setLevel(level)
     return paths
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ import pytest
 
 from dashboards.figures import (
     PARTS, esc, p2p_matrix_figure, partition_figure, straggler_figure, timeline_figure,
-    bubble_figure, comm_figure, collectives_figure,
+    bubble_figure, comm_figure, collectives_figure, replay_figure,
 )
 from dashboards.page import render_html, write_dashboard
 from dashboards.timeline import build_timeline, decimate
@@ -231,10 +232,10 @@ def test_report_views_show_report_values():
 def test_write_dashboard_is_self_contained(gpipe_run, tmp_path):
     out = write_dashboard(gpipe_run, synthetic_report(gpipe_run.layout), tmp_path / "d" / "r.html")
     html = out.read_text()
-    assert html.count("<script") == 1 + 7 + 1  # plotly.js once, a JSON block per figure, loader
-    assert html.count('type="application/json"') == 7
+    assert html.count("<script") == 1 + 8 + 1  # plotly.js once, a JSON block per figure, loader
+    assert html.count('type="application/json"') == 8
     assert not re.search(r"<script[^>]+src=", html)  # nothing fetched from elsewhere
-    for key in ("timeline", "partition", "bubble", "comm", "p2p_links", "collectives", "stragglers"):
+    for key in ("timeline", "replay", "partition", "bubble", "comm", "p2p_links", "collectives", "stragglers"):
         assert f'id="fig-{key}"' in html
     assert "rank &lt;b&gt;9&lt;/b&gt; missing &amp; more" in html
     assert "<b>schedule</b> gpipe" in html
@@ -267,3 +268,23 @@ def test_empty_report_gives_placeholders_not_errors():
         assert builder(empty).layout.annotations
     run = SimpleNamespace(events=None, layout=None, warnings=["w"])
     assert "<li>w</li>" in render_html(run, empty, {})
+
+
+def test_replay_figure_puts_measured_and_replayed_passes_side_by_side(gpipe_run):
+    from pptrace.report import build_report
+    from pptrace.whatif import whatif
+
+    report, result = build_report(gpipe_run), whatif(gpipe_run)
+    fig = replay_figure(report, result)
+    lanes = {}
+    for trace in fig.data:
+        phase = trace.name.split()[0]
+        for y in np.asarray(trace.y, dtype=float)[0::4]:
+            lanes.setdefault(int(y), Counter())[phase] += 1
+    # every stage x (measured, replayed), each lane with every microbatch's forward and backward
+    m, p = report["run"]["microbatches"], gpipe_run.layout.pp
+    assert sorted(lanes) == list(range(2 * p))
+    assert all(c == Counter({"forward": m, "backward": m}) for c in lanes.values()), lanes
+    assert list(fig.layout.yaxis.ticktext) == [f"{source} · stage {s}" for s in range(p)
+                                               for source in ("measured", "replayed")]
+    assert f"{result['measured']['step_time_s'] * 1e3:.1f} ms measured" in fig.layout.title.text
