@@ -308,7 +308,9 @@ def clock_drift_warnings(metas: dict) -> list[str]:
             drift = (end["wall_ns"] - start["wall_ns"]) - (end["perf_ns"] - start["perf_ns"])
         except (TypeError, KeyError):
             continue
-        if abs(drift) > 1_000_000:
+        # each sample is exact only to its bracket (0 for traces from before brackets existed)
+        slack = start.get("bracket_ns", 0) + end.get("bracket_ns", 0)
+        if abs(drift) > 1_000_000 + slack:
             out.append(
                 f"rank {rank}: its wall clock moved {drift / 1e6:+.1f} ms against its monotonic "
                 "clock while profiling (NTP step?); its timeline may be stretched"

@@ -154,12 +154,20 @@ def _distributed_rank() -> tuple[int, int]:
     return 0, 1
 
 
-def clock_sample() -> dict:
-    """A wall-clock / monotonic-clock pair taken back to back, for alignment across hosts."""
-    perf = time.perf_counter_ns()
-    wall = time.time_ns()
-    mono = time.monotonic_ns()
-    return {"wall_ns": wall, "perf_ns": perf, "monotonic_ns": mono}
+def clock_sample(tries: int = 5) -> dict:
+    """A wall-clock / perf-clock pair, for alignment across hosts and to detect clock steps.
+
+    The wall clock is read between two perf-clock reads, several times; the tightest bracket
+    wins, so a preemption between reads (milliseconds on a loaded box) cannot fake a clock
+    step. ``bracket_ns`` is how far apart the two perf reads were."""
+    best = None
+    for _ in range(tries):
+        before = time.perf_counter_ns()
+        wall = time.time_ns()
+        after = time.perf_counter_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall, (before + after) // 2)
+    return {"wall_ns": best[1], "perf_ns": best[2], "monotonic_ns": time.monotonic_ns(), "bracket_ns": best[0]}
 
 
 class profile:

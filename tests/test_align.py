@@ -90,5 +90,22 @@ def test_one_host_keeps_its_shared_clock(gloo_run):
     run = load_run(gloo_run, use_cache=False)
     assert set(run.offsets["method"]) == {"same host"}
     assert (run.offsets["offset_ns"] == 0).all()
-    assert not [w for w in run.warnings if "clock" in w]
+    assert not [w for w in run.warnings if "alignment" in w or "contradict" in w]
     assert (run.pairs["recv_end_ns"] >= run.pairs["send_start_ns"]).all()
+
+
+def test_clock_step_warning_needs_more_than_the_sampling_bracket():
+    from pptrace.align import clock_drift_warnings
+
+    def meta(end_wall_shift_ns, bracket_ns):
+        start = {"wall_ns": 1_000_000_000, "perf_ns": 5_000, "bracket_ns": bracket_ns}
+        end = {"wall_ns": 2_000_000_000 + end_wall_shift_ns, "perf_ns": 1_000_005_000, "bracket_ns": bracket_ns}
+        return {"pptrace": {"clock": {"start": start, "end": end}}}
+
+    # a 3 ms step of the wall clock while profiling is reported ...
+    assert clock_drift_warnings({0: meta(3_000_000, 200)}) == [
+        "rank 0: its wall clock moved +3.0 ms against its monotonic clock while profiling (NTP step?); "
+        "its timeline may be stretched"]
+    # ... but not when the samples themselves were only good to 2 ms each (a preempted read)
+    assert clock_drift_warnings({0: meta(3_000_000, 2_000_000)}) == []
+    assert clock_drift_warnings({0: meta(500_000, 0)}) == []
