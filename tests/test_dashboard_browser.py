@@ -19,7 +19,7 @@ CHROMIUM = "/usr/bin/chromium"
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 ARTIFACTS = Path(__file__).parent / "artifacts"
-FIGURES = ("timeline", "partition", "bubble", "comm", "p2p_links", "collectives", "stragglers")
+FIGURES = ("timeline", "replay", "partition", "bubble", "comm", "p2p_links", "collectives", "stragglers")
 P, M = 4, 4  # trainer run: 4 stages, 4 microbatches
 
 pytestmark = pytest.mark.browser
@@ -71,12 +71,13 @@ class Page:
     def open(self, html: Path):
         """Load the page and scroll through it: figures are drawn when they come into view."""
         self.page.goto(html.resolve().as_uri())
-        for key in FIGURES:
-            self.page.locator(f"#fig-{key}").scroll_into_view_if_needed()
-            self.page.wait_for_function(f"document.getElementById('fig-{key}')._fullLayout",
+        self.figure_ids = self.page.evaluate("[...document.querySelectorAll('.pptrace-fig')].map(d => d.id)")
+        for fig_id in self.figure_ids:
+            self.page.locator(f"#{fig_id}").scroll_into_view_if_needed()
+            self.page.wait_for_function(f"document.getElementById('{fig_id}')._fullLayout",
                                         timeout=30000)
         self.page.wait_for_function(
-            f"document.querySelectorAll('.js-plotly-plot').length === {len(FIGURES)} && "
+            f"document.querySelectorAll('.js-plotly-plot').length === {len(self.figure_ids)} && "
             "[...document.querySelectorAll('.js-plotly-plot')].every(d => d._fullLayout)",
             timeout=30000)
         return self
@@ -143,6 +144,7 @@ def test_trainer_page_offline_every_figure_renders(browser, trainer_page, tmp_pa
     # below the fold nothing is drawn yet: figures are plotted as they scroll into view
     assert first.page.evaluate("!document.getElementById('fig-stragglers')._fullLayout")
     page = Page(browser).open(trainer_page)
+    assert page.figure_ids == [f"fig-{key}" for key in FIGURES]
     counts = page.page.evaluate(
         "ids => ids.map(id => document.querySelectorAll('#fig-' + id + ' .main-svg').length)",
         list(FIGURES))
