@@ -60,8 +60,11 @@ comm_seq           Int64      "Seq" of the collective where the trace has it
 from __future__ import annotations
 
 import re
-import warnings as pywarnings
+from itertools import compress
+from operator import attrgetter
+from typing import Any, Union
 
+import msgspec
 import numpy as np
 import orjson
 import pandas as pd
@@ -162,6 +165,47 @@ def tags_of(tags_json) -> dict:
 
 
 # -------------------------------------------------------------------------------------------
+# the raw fields the table is built from (typed decoding, see load.py)
+# -------------------------------------------------------------------------------------------
+class RawArgs(msgspec.Struct, gc=False):
+    """The ``args`` keys the table uses; msgspec skips every other key without building it.
+    Values stay untyped (Any): the checks below treat odd values as the dict path does."""
+
+    stream: Any = None
+    correlation: Any = None
+    external_id: Any = msgspec.field(default=None, name="External id")
+    collective: Any = msgspec.field(default=msgspec.UNSET, name="Collective name")
+    group_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
+    pg_name: Any = msgspec.field(default=None, name="Process Group Name")
+    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    dtype: Any = None
+    comm_seq: Any = msgspec.field(default=None, name="Seq")
+    name: Any = None  # thread_name metadata events
+
+
+class RawEvent(msgspec.Struct, gc=False):
+    """One trace event, only the keys the table uses (gc=False: no cycles, no GC tracking)."""
+
+    ph: Any = None
+    name: Any = None
+    cat: Any = None
+    pid: Any = None
+    tid: Any = None
+    ts: Any = msgspec.UNSET  # UNSET: no "ts" key (see _ts_ns); a non-number either way
+    dur: Any = 0
+    args: Union[RawArgs, None] = None
+
+
+_EMPTY_ARGS = RawArgs()
+_RPC_ATTRS = (
+    ("Collective name", "collective"), ("Process Group Ranks", "group_ranks"),
+    ("Process Group Name", "pg_name"), ("In msg nelems", "in_nelems"),
+    ("Out msg nelems", "out_nelems"), ("dtype", "dtype"), ("Seq", "comm_seq"),
+)
+
+
+# -------------------------------------------------------------------------------------------
 # building the table from parsed events
 # -------------------------------------------------------------------------------------------
 _TS_TEXT = re.compile(rb'"ts"\s*:\s*(-?)(\d+)(?:\.(\d*))?')
@@ -189,7 +233,12 @@ def _ts_ns(ts: list, events: list, x_index: list, blob, warnings: list, path) ->
     if t.size and np.abs(t).max() >= _EXACT_FLOAT_US and any(type(v) is float for v in ts):
         if blob is not None:
             texts = _TS_TEXT.findall(blob)
-            has_ts = [type(e) is dict and "ts" in e for e in events]
+            if events and type(events[0]) is RawEvent:
+                unset = msgspec.UNSET
+                has_ts = [e.ts is not unset for e in events]
+                x_index = _struct_x_index(events) if x_index is None else x_index
+            else:
+                has_ts = [type(e) is dict and "ts" in e for e in events]
             if len(texts) == sum(has_ts):
                 slot, position = [], 0
                 for has in has_ts:
@@ -204,25 +253,94 @@ def _ts_ns(ts: list, events: list, x_index: list, blob, warnings: list, path) ->
     return whole.astype(np.int64) * 1000 + np.rint((t - whole) * 1000.0).astype(np.int64)
 
 
-def _nullable(values: list):
-    kinds = {type(v) for v in values}
-    if kinds <= {int, type(None)}:
-        arr = np.array(values, dtype=object)
-        mask = np.equal(arr, None)
-        if not mask.all():
-            arr[mask] = 0
-            try:
-                return pd.arrays.IntegerArray(arr.astype(np.int64), mask)
-            except OverflowError:
-                pass
+#: the integer fields of ``args`` that become nullable Int64 columns directly
+_ARG_INTS = ("stream", "correlation", "external_id")
+
+
+def _all_null(n: int) -> pd.arrays.IntegerArray:
+    return pd.arrays.IntegerArray(np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool))
+
+
+def _join(pieces: list, dtype) -> np.ndarray:
+    if len(pieces) == 1:
+        return pieces[0]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+
+
+def _nullable_parts(values: list) -> tuple:
+    """(int64 data, null mask) of a list: ints within int64 (bool excluded) and floats with
+    an integral value are kept, anything else (None, huge ints, strings, 1.5) is null."""
+    n = len(values)
+    if values.count(None) == n:  # the common case for GPU-only fields on CPU traces
+        return np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
+    kinds = set(map(type, values))
     try:
-        with pywarnings.catch_warnings():
-            # ints beyond int64 pass through float on the way and warn: treat that as failure
-            pywarnings.simplefilter("error", RuntimeWarning)
-            return pd.array(values, dtype="Int64")
-    except (OverflowError, TypeError, ValueError, RuntimeWarning):
-        clean = [v if type(v) is int and -(2**63) <= v < 2**63 else None for v in values]
-        return pd.array(clean, dtype="Int64")
+        if kinds == {int}:
+            return np.array(values, dtype=np.int64), np.zeros(n, dtype=bool)
+        if kinds == {int, type(None)}:
+            arr = np.array(values, dtype=object)
+            mask = np.equal(arr, None)
+            arr[mask] = 0
+            return arr.astype(np.int64), mask
+    except OverflowError:
+        pass
+    keep = [_as_int64(v) for v in values]
+    mask = np.fromiter((v is None for v in keep), dtype=bool, count=n)
+    return np.array([0 if v is None else v for v in keep], dtype=np.int64), mask
+
+
+def _as_int64(v):
+    if type(v) is float and v.is_integer():
+        v = int(v)
+    return v if type(v) is int and -(2**63) <= v < 2**63 else None
+
+
+def _nullable(values: list) -> pd.arrays.IntegerArray:
+    return pd.arrays.IntegerArray(*_nullable_parts(values))
+
+
+class _Lookup(dict):
+    """value -> code, a new value getting the next code (dict lookups in C via map)."""
+
+    def __missing__(self, key):
+        code = self[key] = len(self)
+        return code
+
+
+class _Codes:
+    """Category codes of a column built slice by slice: values that are not strings become
+    ``bad`` ("" for names, null for torch categories); categories in order of first use."""
+
+    def __init__(self, bad):
+        self.bad = bad
+        self.lookup: dict = _Lookup()
+
+    def add(self, values: list) -> np.ndarray:
+        lookup, bad = self.lookup, self.bad
+        if values.count(None) == 0 and set(map(type, values)) == {str}:  # the usual case
+            return np.fromiter(map(lookup.__getitem__, values), dtype=np.int32, count=len(values))
+        codes, uniques = pd.factorize(np.array(values, dtype=object))
+        if (codes < 0).any() and bad is not None:
+            # nulls that become a real category: map value by value to keep first-use order
+            codes, uniques = pd.factorize(np.array([v if type(v) is str else bad for v in values], dtype=object))
+        remap = np.empty(len(uniques) + 1, dtype=np.int32)
+        remap[-1] = -1  # pandas' null code
+        for i, u in enumerate(uniques):
+            if type(u) is not str:
+                u = bad
+            remap[i] = -1 if u is None else lookup.setdefault(u, len(lookup))
+        return remap[codes]
+
+    def categorical(self, pieces: list) -> pd.Categorical:
+        codes = _join(pieces, np.int32)
+        return pd.Categorical.from_codes(codes, categories=pd.Index(list(self.lookup), dtype=object))
+
+
+def _int64(values: list) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        return np.asarray([v if -(2**63) <= v < 2**63 else -1 for v in values], dtype=np.int64)
 
 
 def _thread_label(name: str | None) -> str:
@@ -234,64 +352,54 @@ def _thread_label(name: str | None) -> str:
 
 def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
     """Parsed event slices -> (DataFrame with COLUMNS, info dict). One pass per slice, so
-    only one slice's Python objects are alive at a time."""
-    cols = {k: [] for k in ("name", "cat", "pid", "tid", "stream", "correlation", "external_id")}
-    starts, durs, rpc, threads = [], [], {}, {}
+    only one slice's Python objects are alive at a time: each slice becomes numpy arrays
+    (category codes, int64, nullable parts) before the next is parsed. A slice is a list of
+    event dicts (orjson / json) or of :class:`RawEvent` (typed decoding); both give the same
+    table."""
+    parts: dict = {k: [] for k in ("pid", "tid", "name", "cat", "start", "dur", *_ARG_INTS)}
+    names, cats = _Codes(bad=""), _Codes(bad=None)
+    rpc, threads = {}, {}
     dropped = 0
     n_before = 0
     for events, blob in slices:
-        try:
-            x_index = [i for i, e in enumerate(events) if e.get("ph") == "X"]
-        except AttributeError:  # a non-object in the array: skip it
-            x_index = [i for i, e in enumerate(events) if type(e) is dict and e.get("ph") == "X"]
-        xs = [events[i] for i in x_index]
-        pids, tids, ts = [e.get("pid") for e in xs], [e.get("tid") for e in xs], [e.get("ts") for e in xs]
-        # Kineto's own span events have string pids ("Spans"); drop anything not numeric.
-        if not ({type(v) for v in pids} | {type(v) for v in tids}) <= {int} or not {type(v) for v in ts} <= {int, float}:
-            ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pids, tids, ts)]
-            x_index = [i for i, good in zip(x_index, ok) if good]
-            xs = [events[i] for i in x_index]
-            dropped += len(ok) - len(xs)
-            pids, tids, ts = [e["pid"] for e in xs], [e["tid"] for e in xs], [e["ts"] for e in xs]
-        for e in [e for e in events if type(e) is dict and e.get("ph") == "M" and e.get("name") == "thread_name"]:
-            label = _thread_label((e.get("args") or {}).get("name"))
-            # Kineto may name one tid twice ("python", then the real worker name).
-            if label and (label != "python" or e.get("tid") not in threads):
-                threads[e.get("tid")] = label
-        cols["name"] += [e.get("name") for e in xs]
-        cols["cat"] += [e.get("cat") for e in xs]
-        cols["pid"] += pids
-        cols["tid"] += tids
-        args = [e.get("args") or _NO_ARGS for e in xs]
-        if {type(a) for a in args} != {dict}:
-            args = [a if type(a) is dict else _NO_ARGS for a in args]
-        cols["stream"] += [a.get("stream") for a in args]
-        cols["correlation"] += [a.get("correlation") for a in args]
-        cols["external_id"] += [a.get("External id") for a in args]
-        for i in [i for i, a in enumerate(args) if "Collective name" in a]:
-            rpc[n_before + i] = args[i]
-        starts.append(_ts_ns(ts, events, x_index, blob, warnings, path))
-        dur = [e.get("dur", 0) for e in xs]
-        if not {type(v) for v in dur} <= {int, float}:
+        typed = bool(events) and type(events[0]) is RawEvent
+        extract = _extract_structs if typed else _extract_dicts
+        cols: dict = {}
+        x_index, ts, dur, n_dropped = extract(events, cols, rpc, threads, n_before)
+        dropped += n_dropped
+        parts["start"].append(_ts_ns(ts, events, x_index, blob, warnings, path))
+        del events, ts
+        if not set(map(type, dur)) <= {int, float}:
             dur = [v if type(v) in (int, float) else 0 for v in dur]
-        durs.append(np.rint(np.maximum(np.asarray(dur, dtype=np.float64), 0.0) * 1000.0).astype(np.int64))
-        n_before += len(xs)
-        del events, xs, args, pids, tids, ts
+        dur_us = np.asarray(dur, dtype=np.float64)
+        if not np.isfinite(dur_us).all():  # NaN / Infinity (json accepts them): no duration
+            dur_us = np.where(np.isfinite(dur_us), dur_us, 0.0)
+        parts["dur"].append(np.rint(np.maximum(dur_us, 0.0) * 1000.0).astype(np.int64))
+        parts["pid"].append(_int64(cols.pop("pid")))
+        parts["tid"].append(_int64(cols.pop("tid")))
+        parts["name"].append(names.add(cols.pop("name")))
+        parts["cat"].append(cats.add(cols.pop("cat")))
+        for key in _ARG_INTS:
+            parts[key].append(_nullable_parts(cols.pop(key)))
+        n_before += len(parts["dur"][-1])
+        del dur, dur_us, x_index, cols
     if dropped > 8:  # Kineto's own span events have string pids; more means a strange file
         warnings.append(f"{path}: skipped {dropped} events without numeric pid/tid/ts")
     n = n_before
-    start = (np.concatenate(starts) if starts else np.zeros(0, np.int64)) + base_ns
-    dur = np.concatenate(durs) if durs else np.zeros(0, np.int64)
+    start = _join(parts.pop("start"), np.int64) + base_ns
+    dur = _join(parts.pop("dur"), np.int64)
     df = pd.DataFrame({
         "rank": np.full(n, rank, dtype=np.int32),
-        "pid": _int64(cols["pid"]), "tid": _int64(cols["tid"]),
-        "name": _categorical(cols["name"], ""),
-        "cat": _categorical(cols["cat"], None),
+        "pid": _join(parts.pop("pid"), np.int64), "tid": _join(parts.pop("tid"), np.int64),
+        "name": names.categorical(parts.pop("name")),
+        "cat": cats.categorical(parts.pop("cat")),
         "start_ns": start, "end_ns": start + dur, "dur_ns": dur,
-    })
-    for key in ("stream", "correlation", "external_id"):
-        df[key] = _nullable(cols[key])
-    del cols
+    }, copy=False)
+    del start, dur
+    for key in _ARG_INTS:
+        pieces = parts.pop(key)
+        df[key] = pd.arrays.IntegerArray(_join([d for d, _ in pieces], np.int64), _join([m for _, m in pieces], bool))
+        del pieces
     _add_classification(df)
     gpu = df["cat"].isin(GPU_CATS).to_numpy()
     # gpu_user_annotation events carry no "stream" arg; their tid is the stream.
@@ -315,20 +423,84 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
 _NO_ARGS: dict = {}
 
 
-def _categorical(values: list, bad) -> pd.Categorical:
-    """Hash-factorize Python strings (much faster than pandas' Arrow string inference)."""
-    arr = np.array(values, dtype=object)
-    if {type(v) for v in values} - {str}:
-        arr = np.array([v if type(v) is str else bad for v in values], dtype=object)
-    codes, uniques = pd.factorize(arr)
-    return pd.Categorical.from_codes(codes, categories=pd.Index(uniques, dtype=object))
-
-
-def _int64(values: list) -> np.ndarray:
+def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before: int):
+    """One slice of event dicts -> ``cols`` (name, cat, pid, tid and _ARG_INTS: one list
+    each, the slice's kept X events in order), rpc rows, thread names; returns
+    (x_index, ts, dur, dropped)."""
     try:
-        return np.asarray(values, dtype=np.int64)
-    except OverflowError:
-        return np.asarray([v if -(2**63) <= v < 2**63 else -1 for v in values], dtype=np.int64)
+        x_index = [i for i, e in enumerate(events) if e.get("ph") == "X"]
+    except AttributeError:  # a non-object in the array: skip it
+        x_index = [i for i, e in enumerate(events) if type(e) is dict and e.get("ph") == "X"]
+    xs = [events[i] for i in x_index]
+    pids, tids, ts = [e.get("pid") for e in xs], [e.get("tid") for e in xs], [e.get("ts") for e in xs]
+    dropped = 0
+    # Kineto's own span events have string pids ("Spans"); drop anything not numeric.
+    if not (set(map(type, pids)) | set(map(type, tids))) <= {int} or not set(map(type, ts)) <= {int, float}:
+        ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pids, tids, ts)]
+        x_index = [i for i, good in zip(x_index, ok) if good]
+        xs = [events[i] for i in x_index]
+        dropped = len(ok) - len(xs)
+        pids, tids, ts = [e["pid"] for e in xs], [e["tid"] for e in xs], [e["ts"] for e in xs]
+    for e in [e for e in events if type(e) is dict and e.get("ph") == "M" and e.get("name") == "thread_name"]:
+        _name_thread(threads, e.get("tid"), (e.get("args") or {}).get("name"))
+    cols["name"] = [e.get("name") for e in xs]
+    cols["cat"] = [e.get("cat") for e in xs]
+    cols["pid"] = pids
+    cols["tid"] = tids
+    args = [e.get("args") or _NO_ARGS for e in xs]
+    if {type(a) for a in args} != {dict}:
+        args = [a if type(a) is dict else _NO_ARGS for a in args]
+    cols["stream"] = [a.get("stream") for a in args]
+    cols["correlation"] = [a.get("correlation") for a in args]
+    cols["external_id"] = [a.get("External id") for a in args]
+    for i in [i for i, a in enumerate(args) if "Collective name" in a]:
+        rpc[n_before + i] = args[i]
+    return x_index, ts, [e.get("dur", 0) for e in xs], dropped
+
+
+_X_FIELDS = tuple(attrgetter(f) for f in ("name", "cat", "pid", "tid", "ts", "dur", "args"))
+_ARG_FIELDS = tuple(attrgetter(f) for f in ("stream", "correlation", "external_id", "collective"))
+
+
+def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_before: int):
+    """:func:`_extract_dicts` for a slice of :class:`RawEvent` (absent keys are None, like
+    ``dict.get``; ``dur`` defaults to 0 and "Collective name" to UNSET, as there). Columns
+    are read in C (map + attrgetter), and x_index is None: only the rare exact-ts path
+    needs it (see :func:`_struct_x_index`)."""
+    xs = [e for e in events if e.ph == "X"]
+    name, cat, pid, tid, ts, dur, args = (list(map(get, xs)) for get in _X_FIELDS)
+    dropped = 0
+    if not (set(map(type, pid)) | set(map(type, tid))) <= {int} or not set(map(type, ts)) <= {int, float}:
+        ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pid, tid, ts)]
+        dropped = len(ok) - sum(ok)
+        name, cat, pid, tid, ts, dur, args = (list(compress(c, ok)) for c in (name, cat, pid, tid, ts, dur, args))
+    for e in [e for e in events if e.ph == "M" and e.name == "thread_name"]:
+        _name_thread(threads, e.tid, (e.args or _EMPTY_ARGS).name)
+    cols["name"], cols["cat"], cols["pid"], cols["tid"] = name, cat, pid, tid
+    if args.count(None) == len(args):
+        nothing = [None] * len(args)
+        cols["stream"] = cols["correlation"] = cols["external_id"] = nothing
+        return None, ts, dur, dropped
+    args = [a or _EMPTY_ARGS for a in args]
+    cols["stream"], cols["correlation"], cols["external_id"], collective = (list(map(get, args)) for get in _ARG_FIELDS)
+    unset = msgspec.UNSET
+    if collective.count(unset) != len(collective):
+        for i in [i for i, c in enumerate(collective) if c is not unset]:
+            rpc[n_before + i] = {key: getattr(args[i], attr) for key, attr in _RPC_ATTRS}
+    return None, ts, dur, dropped
+
+
+def _struct_x_index(events: list) -> list:
+    """Positions in the slice of the X events :func:`_extract_structs` keeps."""
+    return [i for i, e in enumerate(events) if e.ph == "X" and type(e.pid) is int and type(e.tid) is int
+            and type(e.ts) in (int, float)]
+
+
+def _name_thread(threads: dict, tid, name) -> None:
+    label = _thread_label(name)
+    # Kineto may name one tid twice ("python", then the real worker name).
+    if label and (label != "python" or tid not in threads):
+        threads[tid] = label
 
 
 def _add_classification(df: pd.DataFrame) -> None:
@@ -372,7 +544,7 @@ def _add_lanes(df: pd.DataFrame, gpu: np.ndarray, main_tid, threads: dict) -> No
         else:
             labels.append(f"thread:{k} {threads.get(int(k), '')}".rstrip())
     df["lane"] = pd.Categorical.from_codes(inverse, categories=pd.Index(labels, dtype=object)) if len(uniq) else pd.Categorical([])
-    df["lane_kind"] = pd.Categorical(np.where(gpu, "gpu", "host"), categories=["host", "gpu"])
+    df["lane_kind"] = pd.Categorical.from_codes(gpu.astype(np.int8), categories=["host", "gpu"])
     df["gpu_annotation"] = (df["cat"] == "gpu_user_annotation").to_numpy()
 
 
@@ -382,15 +554,18 @@ def _add_rpc(df: pd.DataFrame, rpc: dict) -> None:
     for column, key in _RPC_FIELDS.items():
         values = [rpc[r].get(key) for r in rows]
         if column in NULLABLE_INT_COLUMNS:
-            full = pd.array([None] * n, dtype="Int64")
+            full = _all_null(n)
             if len(rows):
                 full[rows] = _nullable([v if type(v) is int else None for v in values])
             df[column] = full
         else:
-            full = np.full(n, None, dtype=object)
+            # categorize the few rpc rows, then spread their codes (as pd.Categorical of the
+            # full column would: sorted categories, same dtype)
+            small = pd.Categorical(np.array([str(v) if v is not None else None for v in values] or [None], dtype=object))
+            codes = np.full(n, -1, dtype=small.codes.dtype)
             if len(rows):
-                full[rows] = [str(v) if v is not None else None for v in values]
-            df[column] = pd.Categorical(full)
+                codes[rows] = small.codes
+            df[column] = pd.Categorical.from_codes(codes, dtype=small.dtype)
 
 
 def _add_steps(df: pd.DataFrame, gpu: np.ndarray) -> None:
@@ -413,118 +588,3 @@ def _add_steps(df: pd.DataFrame, gpu: np.ndarray) -> None:
             mapped = by_corr.reindex(corr[g].to_numpy()).to_numpy()
             step[g] = np.where(pd.isna(mapped), step[g], mapped).astype(np.int32)
     df["step"] = step
-
-
-# -------------------------------------------------------------------------------------------
-# Arrow round trip (cache files, worker -> parent), with one fixed schema for every rank
-# -------------------------------------------------------------------------------------------
-def arrow_schema():
-    import pyarrow as pa
-
-    fields = []
-    for column in COLUMNS:
-        if column in CATEGORY_COLUMNS:
-            kind = pa.dictionary(pa.int32(), pa.string())
-        elif column in BOOL_COLUMNS:
-            kind = pa.bool_()
-        elif column in ("rank", "step"):
-            kind = pa.int32()
-        else:
-            kind = pa.int64()
-        fields.append(pa.field(column, kind))
-    return pa.schema(fields)
-
-
-def to_arrow(df: pd.DataFrame):
-    import pyarrow as pa
-
-    schema = arrow_schema()
-    arrays = []
-    for field in schema:
-        col = df[field.name]
-        if field.name in CATEGORY_COLUMNS:
-            cat = col.astype("category").cat
-            codes = cat.codes.to_numpy().astype(np.int32)
-            values = pa.array([str(v) for v in cat.categories], type=pa.string())
-            arrays.append(pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), values))
-        elif field.name in NULLABLE_INT_COLUMNS:
-            arrays.append(pa.array(col.to_numpy(dtype=np.int64, na_value=0), mask=col.isna().to_numpy(), type=pa.int64()))
-        else:
-            arrays.append(pa.array(col.to_numpy(), type=field.type))
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
-def from_arrow(table) -> pd.DataFrame:
-    """Arrow table(s) in :func:`arrow_schema` -> DataFrame with the documented dtypes."""
-    import pyarrow as pa
-
-    if table.num_rows == 0:
-        return empty_frame()
-    table = table.unify_dictionaries()
-    # self_destruct frees each Arrow column once converted: the peak holds one copy, not two.
-    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get, self_destruct=True, split_blocks=True)
-    del table
-    for column in INT_COLUMNS:
-        df[column] = df[column].to_numpy(dtype=np.int64)
-    return df
-
-
-def empty_frame() -> pd.DataFrame:
-    data = {}
-    for column in COLUMNS:
-        if column in CATEGORY_COLUMNS:
-            data[column] = pd.Categorical([])
-        elif column in NULLABLE_INT_COLUMNS:
-            data[column] = pd.array([], dtype="Int64")
-        elif column in BOOL_COLUMNS:
-            data[column] = np.zeros(0, dtype=bool)
-        elif column in ("rank", "step"):
-            data[column] = np.zeros(0, dtype=np.int32)
-        else:
-            data[column] = np.zeros(0, dtype=np.int64)
-    return pd.DataFrame(data)
-
-
-def frame_from_tables(tables: list) -> pd.DataFrame:
-    """Many per-rank Arrow tables -> one DataFrame, column by column into preallocated
-    arrays, emptying ``tables`` as it goes: the peak is the result plus the inputs, not the
-    result plus a concatenated copy plus pandas' conversion buffers."""
-    import pyarrow as pa
-
-    if not tables or sum(t.num_rows for t in tables) == 0:
-        tables.clear()
-        return empty_frame()
-    n = sum(t.num_rows for t in tables)
-    columns: dict = {}
-    for field in arrow_schema():
-        name = field.name
-        if name in CATEGORY_COLUMNS:
-            codes = np.empty(n, dtype=np.int32)
-            lookup: dict = {}
-            pos = 0
-            for t in tables:
-                chunk = t.column(name).combine_chunks()
-                values = chunk.dictionary.to_pylist()
-                remap = np.array([lookup.setdefault(v, len(lookup)) for v in values] or [0], dtype=np.int32)
-                idx = chunk.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int32)
-                codes[pos:pos + len(idx)] = np.where(idx >= 0, remap[np.clip(idx, 0, None)], -1)
-                pos += len(idx)
-            columns[name] = pd.Categorical.from_codes(codes, categories=pd.Index(list(lookup), dtype=object))
-        elif name in NULLABLE_INT_COLUMNS:
-            data, mask, pos = np.empty(n, dtype=np.int64), np.empty(n, dtype=bool), 0
-            for t in tables:
-                col = t.column(name)
-                data[pos:pos + len(col)] = col.fill_null(0).to_numpy()
-                mask[pos:pos + len(col)] = col.is_null().to_numpy()
-                pos += len(col)
-            columns[name] = pd.arrays.IntegerArray(data, mask)
-        else:
-            dtype = np.bool_ if name in BOOL_COLUMNS else (np.int32 if name in ("rank", "step") else np.int64)
-            out, pos = np.empty(n, dtype=dtype), 0
-            for t in tables:
-                col = t.column(name).to_numpy()
-                out[pos:pos + len(col)] = col
-                pos += len(col)
-            columns[name] = out
-    tables.clear()
-    return pd.DataFrame(columns, copy=False)

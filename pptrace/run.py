@@ -14,7 +14,7 @@ import pandas as pd
 
 from . import align, match
 from .errors import TraceError
-from .events import frame_from_tables
+from .columnar import frame_from_tables
 from .load import find_trace_files, load_ranks, rank_of, read_header
 from .topology import Layout
 

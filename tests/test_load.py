@@ -10,8 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pptrace import cache, load
-from pptrace.events import CATEGORIES, COLUMNS, classify, frame_from_tables, from_arrow, to_arrow
+from pptrace import cache, events, load
+from pptrace.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
+from pptrace.events import CATEGORIES, COLUMNS, RawEvent, classify
 from pptrace.load import find_trace_files, load_rank, read_header
 from pptrace.run import load_run
 from pptrace.topology import Layout
@@ -237,8 +238,141 @@ def test_cache_goes_elsewhere_when_the_trace_dir_is_read_only(tmp_path, monkeypa
     try:
         load_run(run_dir)
         assert not (traces / cache.CACHE_DIRNAME).exists()
-        entries = list((tmp_path / "xdg" / "pptrace").rglob("*.parquet"))
+        entries = list((tmp_path / "xdg" / "pptrace").rglob("*.arrow"))
         assert len(entries) == 2
         assert cache.read(traces / "rank0.json.gz") is not None
     finally:
         os.chmod(traces, 0o755)
+
+
+# -------------------------------------------------------------------------------------------
+# typed decoding (msgspec) against the straightforward reference (orjson -> dicts)
+# -------------------------------------------------------------------------------------------
+def _same_load(path):
+    typed, typed_meta = load_rank(path)
+    reference, reference_meta = load_rank(path, typed=False)
+    pd.testing.assert_frame_equal(typed, reference)
+    assert typed_meta == reference_meta
+    return typed
+
+
+def _slice_kinds(path):
+    _, slices, _ = load.parse_document(path)
+    return {type(events[0]) for events, _ in slices if events}
+
+
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_typed_decoding_equals_dict_reference_on_hta_fixtures(hta_fixtures, name):
+    assert _slice_kinds(hta_fixtures / name) == {RawEvent}  # the fast path really ran
+    _same_load(hta_fixtures / name)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_typed_decoding_equals_dict_reference_on_tracegen_runs(tmp_path, monkeypatch, gz):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=2, microbatches=4, cpu_ops_per_mb=40, gz=gz)
+    monkeypatch.setattr(load, "_CHUNK_BYTES", 20_000)  # many slices
+    for path in find_trace_files(run_dir):
+        assert _slice_kinds(path) == {RawEvent}
+        frame = _same_load(path)
+        assert len(frame) > 500 and frame["mb"].notna().any()
+
+
+def test_slices_the_typed_decoder_rejects_are_parsed_as_dicts(tmp_path, monkeypatch):
+    """An odd value (``args`` as a list, a thread name event without args, NaN) sends only
+    its slice through orjson/json; the table equals the all-dicts reference."""
+    t = RankTrace(rank=0)
+    t.thread(77, "pt_gloo_runloop")
+    t.step(1, 0, 10_000)
+    for i in range(300):
+        t.region("compute:fwd", 10 * i + 1, 5, mb=i, tid=77 if i % 7 == 0 else None)
+    t.events[40]["args"] = [1, 2]
+    t.events[41]["args"] = None
+    t.events[42]["cat"] = 5
+    t.events[43]["pid"] = "Spans"
+    t.events[44]["name"] = None
+    del t.events[45]["ts"]
+    t.events[250]["dur"] = "NAN_HERE"
+    data = t.dumps().replace(b'"NAN_HERE"', b"NaN")
+    path = tmp_path / "rank0.json"
+    path.write_bytes(data)
+    monkeypatch.setattr(load, "_CHUNK_BYTES", 3000)
+    assert _slice_kinds(path) == {RawEvent, dict}
+    frame = _same_load(path)
+    assert len(frame) == 299 and frame["cat"].isna().sum() == 1 and (frame["name"] == "").sum() == 1
+    assert (frame["dur_ns"] >= 0).all()  # the NaN duration is 0, not a garbage integer
+
+
+def test_nullable_ints_value_by_value():
+    data, mask = events._nullable_parts([1, None, 2**70, "7", 3.0, 1.5, True, -(2**63)])
+    assert mask.tolist() == [False, True, True, True, False, True, True, False]
+    assert data[~mask].tolist() == [1, 3, -(2**63)]
+    assert events._nullable_parts([None] * 3)[1].all()
+    assert events._nullable_parts((4, 5))[0].tolist() == [4, 5]
+
+
+# -------------------------------------------------------------------------------------------
+# compact per-rank tables, cache format, worker count
+# -------------------------------------------------------------------------------------------
+def test_stored_tables_assemble_like_a_concatenation(hta_fixtures, tmp_path):
+    import pickle
+
+    a, _ = load_rank(hta_fixtures / "nccl_allreduce_world2_rank0.json.gz")
+    t = RankTrace(rank=1)
+    t.step(1, 0, 1000)
+    for i in range(300):  # more names than int8 category codes hold
+        t.add(f"op{i}", i, 1, cat="cpu_op")
+    b, _ = load_rank(t.write(tmp_path / "rank1.json"))
+    packed = pickle.loads(pickle.dumps(StoredTable.pack(to_arrow(b))))  # worker -> parent
+    assert packed.num_rows == len(b) and packed.path is None
+    tables = [to_arrow(a), packed, StoredTable(0, ipc=StoredTable.pack(to_arrow(b.iloc[:0])).ipc)]
+    joined = frame_from_tables(tables)
+    assert tables == []
+    expected = pd.concat([a, b], ignore_index=True)
+    for column in COLUMNS:
+        assert joined[column].astype(object).equals(expected[column].astype(object)), column
+    assert joined["name"].cat.codes.dtype == np.int16 and joined["lane_kind"].cat.codes.dtype == np.int8
+    assert str(joined["stream"].dtype) == "Int64"
+
+
+def test_cache_entries_are_arrow_files_that_replace_old_parquet_ones(tmp_path):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, microbatches=1)
+    files = find_trace_files(run_dir)
+    entry = cache.cache_path(files[0])
+    assert entry.suffix == ".arrow"
+    entry.parent.mkdir()
+    stale = entry.with_name(entry.name.replace(".arrow", ".parquet"))
+    stale.write_bytes(b"an entry from an earlier pptrace")
+    first = load_run(run_dir)
+    assert entry.exists() and not stale.exists()
+    found = cache.lookup(files[0])
+    assert found is not None and found[0].path == entry and found[0].num_rows == found[1]["n_events"]
+    table, meta = cache.read(files[0])
+    assert table.num_rows == (first.events["rank"] == 0).sum() and meta["rank"] == 0
+    entry.write_bytes(b"garbage")  # a broken entry is a miss, never an error
+    assert cache.lookup(files[0]) is None
+    pd.testing.assert_frame_equal(first.events, load_run(run_dir).events)
+
+
+def test_worker_count_keeps_memory_below_the_traces(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    mb = 1 << 20
+    assert load._worker_count(None, [47 * mb] * 8) == 1  # bench_load's run: parse in-process
+    assert load._worker_count(None, [1 * mb] * 4) == 1  # too little to pay for a pool
+    assert 1 < load._worker_count(None, [10 * mb] * 64) <= 8
+    assert load._worker_count(None, [47 * mb] * 64) == 8
+    assert load._worker_count(3, [47 * mb] * 8) == 3
+    assert load._worker_count(3, [47 * mb] * 2) == 2
+
+
+def test_a_stored_table_that_went_bad_is_one_clear_error(tmp_path):
+    from pptrace.errors import TraceError
+
+    with pytest.raises(TraceError) as info:
+        frame_from_tables([StoredTable(5, ipc=b"not arrow at all")])
+    assert "\n" not in str(info.value) and "delete the cache entry" in str(info.value)
+    t = RankTrace(rank=0)
+    t.step(1, 0, 10)
+    frame, _ = load_rank(t.write(tmp_path / "rank0.json"))
+    wrong = StoredTable(len(frame) + 3, ipc=StoredTable.pack(to_arrow(frame)).ipc)
+    with pytest.raises(TraceError, match="rows where"):
+        frame_from_tables([wrong])

@@ -1,0 +1,221 @@
+"""The run's events table in Arrow: one fixed schema for every rank, the compressed per-rank
+tables a load keeps (cache files, worker -> parent), and the one-time assembly of the run's
+frame from them (:func:`frame_from_tables`). The schema itself is :mod:`pptrace.events`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .events import BOOL_COLUMNS, CATEGORY_COLUMNS, COLUMNS, INT_COLUMNS, NULLABLE_INT_COLUMNS
+
+
+def arrow_schema():
+    import pyarrow as pa
+
+    fields = []
+    for column in COLUMNS:
+        if column in CATEGORY_COLUMNS:
+            kind = pa.dictionary(pa.int32(), pa.string())
+        elif column in BOOL_COLUMNS:
+            kind = pa.bool_()
+        elif column in ("rank", "step"):
+            kind = pa.int32()
+        else:
+            kind = pa.int64()
+        fields.append(pa.field(column, kind))
+    return pa.schema(fields)
+
+
+def to_arrow(df: pd.DataFrame):
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    arrays = []
+    for field in schema:
+        col = df[field.name]
+        if field.name in CATEGORY_COLUMNS:
+            cat = col.astype("category").cat
+            codes = cat.codes.to_numpy().astype(np.int32)
+            values = pa.array([str(v) for v in cat.categories], type=pa.string())
+            arrays.append(pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), values))
+        elif field.name in NULLABLE_INT_COLUMNS:
+            arrays.append(pa.array(col.to_numpy(dtype=np.int64, na_value=0), mask=col.isna().to_numpy(), type=pa.int64()))
+        else:
+            arrays.append(pa.array(col.to_numpy(), type=field.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def from_arrow(table) -> pd.DataFrame:
+    """Arrow table(s) in :func:`arrow_schema` -> DataFrame with the documented dtypes."""
+    import pyarrow as pa
+
+    if table.num_rows == 0:
+        return empty_frame()
+    table = table.unify_dictionaries()
+    # self_destruct frees each Arrow column once converted: the peak holds one copy, not two.
+    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get, self_destruct=True, split_blocks=True)
+    del table
+    for column in INT_COLUMNS:
+        df[column] = df[column].to_numpy(dtype=np.int64)
+    return df
+
+
+def empty_frame() -> pd.DataFrame:
+    data = {}
+    for column in COLUMNS:
+        if column in CATEGORY_COLUMNS:
+            data[column] = pd.Categorical([])
+        elif column in NULLABLE_INT_COLUMNS:
+            data[column] = pd.array([], dtype="Int64")
+        elif column in BOOL_COLUMNS:
+            data[column] = np.zeros(0, dtype=bool)
+        elif column in ("rank", "step"):
+            data[column] = np.zeros(0, dtype=np.int32)
+        else:
+            data[column] = np.zeros(0, dtype=np.int64)
+    return pd.DataFrame(data)
+
+
+class StoredTable:
+    """A per-rank table kept compact until the run's frame is assembled: an Arrow IPC file
+    (its cache entry) or the same bytes in memory, buffers zstd-compressed, read back once
+    by :func:`frame_from_tables`. ``num_rows`` is known without reading the data.
+    Picklable (worker -> parent)."""
+
+    __slots__ = ("num_rows", "path", "ipc")
+
+    def __init__(self, num_rows: int, path=None, ipc: bytes | None = None):
+        self.num_rows, self.path, self.ipc = int(num_rows), path, ipc
+
+    @staticmethod
+    def write_ipc(table, sink) -> None:
+        import pyarrow as pa
+
+        options = pa.ipc.IpcWriteOptions(compression="zstd" if pa.Codec.is_available("zstd") else None)
+        with pa.ipc.new_file(sink, table.schema, options=options) as writer:
+            writer.write_table(table)
+
+    @classmethod
+    def pack(cls, table) -> "StoredTable":
+        import pyarrow as pa
+
+        sink = pa.BufferOutputStream()
+        cls.write_ipc(table, sink)
+        return cls(table.num_rows, ipc=sink.getvalue().to_pybytes())
+
+    def read(self):
+        """The table, in memory from the system allocator: freed memory goes back to the
+        OS instead of staying in Arrow's pool while the run's frame lives on."""
+        import pyarrow as pa
+
+        pool = pa.system_memory_pool()
+        if self.path is not None:
+            with pa.OSFile(str(self.path)) as source:
+                return pa.ipc.open_file(source, memory_pool=pool).read_all()
+        return pa.ipc.open_file(pa.py_buffer(self.ipc), memory_pool=pool).read_all()
+
+
+def frame_from_tables(tables: list) -> pd.DataFrame:
+    """Many per-rank tables (pyarrow Tables or :class:`StoredTable`) -> one DataFrame.
+
+    The result's columns are allocated once and filled table by table; a stored table is
+    read only when its turn comes and dropped right after, and ``tables`` is emptied as it
+    goes: the peak is the result plus one rank's table, never every rank's tables at once.
+    """
+    n = sum(t.num_rows for t in tables)
+    if n == 0:
+        tables.clear()
+        return empty_frame()
+    schema = arrow_schema()
+    out: dict = {}
+    lookups: dict = {}
+    for field in schema:
+        name = field.name
+        if name in CATEGORY_COLUMNS:
+            # the narrowest codes pandas would use; widened if the categories outgrow them
+            out[name], lookups[name] = np.empty(n, dtype=np.int8), {}
+        elif name in NULLABLE_INT_COLUMNS:
+            # np.zeros: the pages of all-null stretches are never written, so never resident
+            out[name] = (np.zeros(n, dtype=np.int64), np.empty(n, dtype=bool))
+        else:
+            out[name] = np.empty(n, dtype=np.bool_ if name in BOOL_COLUMNS else (np.int32 if name in ("rank", "step") else np.int64))
+    pos = 0
+    tables.reverse()
+    while tables:
+        item = tables.pop()
+        table = _read_stored(item) if isinstance(item, StoredTable) else item
+        del item
+        _fill(out, lookups, table, pos)
+        pos += table.num_rows
+        del table
+    columns: dict = {}
+    for field in schema:
+        name = field.name
+        if name in CATEGORY_COLUMNS:
+            codes = out.pop(name)
+            categories = pd.Index(list(lookups[name]), dtype=object)
+            columns[name] = pd.Categorical.from_codes(codes, categories=categories)
+            del codes
+        elif name in NULLABLE_INT_COLUMNS:
+            columns[name] = pd.arrays.IntegerArray(*out.pop(name))
+        else:
+            columns[name] = out.pop(name)
+    return pd.DataFrame(columns, copy=False)
+
+
+def _read_stored(item: StoredTable):
+    import pyarrow as pa
+
+    from .errors import TraceError
+
+    where = item.path if item.path is not None else "a rank's table in memory"
+    try:
+        table = item.read()
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(f"{where}: unreadable ({exc}); delete the cache entry and load again") from None
+    if table.num_rows != item.num_rows:
+        raise TraceError(f"{where}: {table.num_rows} rows where {item.num_rows} were recorded; "
+                         "delete the cache entry and load again")
+    return table
+
+
+def _fill(out: dict, lookups: dict, table, pos: int) -> None:
+    """Copy one table's columns into the preallocated result at row ``pos``."""
+    import pyarrow as pa
+
+    size = table.num_rows
+    rows = slice(pos, pos + size)
+    present = set(table.column_names)
+    for name in out:
+        # (every table has the one schema; a column it lacks would be all null)
+        col = table.column(name) if name in present else pa.nulls(size, pa.int64())
+        if name in CATEGORY_COLUMNS:
+            if col.null_count == size:
+                out[name][rows] = -1
+                continue
+            chunk = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+            if not pa.types.is_dictionary(chunk.type):
+                chunk = chunk.dictionary_encode()
+            lookup = lookups[name]
+            remap = np.array([lookup.setdefault(v, len(lookup)) for v in chunk.dictionary.to_pylist()] or [0], dtype=np.int32)
+            codes = out[name]
+            if len(lookup) > np.iinfo(codes.dtype).max:
+                wide = np.int16 if len(lookup) <= np.iinfo(np.int16).max else np.int32
+                codes = out[name] = codes.astype(wide)
+            if chunk.null_count:
+                idx = chunk.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+                codes[rows] = np.where(idx >= 0, remap[np.clip(idx, 0, None)], -1)
+            else:
+                codes[rows] = remap[chunk.indices.to_numpy(zero_copy_only=False)]
+        elif name in NULLABLE_INT_COLUMNS:
+            data, mask = out[name]
+            if col.null_count == size:
+                mask[rows] = True  # data stays 0 (untouched)
+            elif col.null_count == 0:
+                data[rows], mask[rows] = col.to_numpy(), False
+            else:
+                data[rows] = col.fill_null(0).to_numpy()
+                mask[rows] = col.is_null().to_numpy()
+        else:
+            out[name][rows] = col.to_numpy()
