@@ -14,7 +14,7 @@ from .analyzers.breakdown import PARTS, activities, breakdown_table, partition_r
 from .analyzers.collectives import collectives_by_dim, instances
 from .analyzers.gpu import gpu_timeline
 from .analyzers.p2p import link_table, match_pairs
-from .analyzers.pipeline import microbatch_times, pipeline_stages
+from .analyzers.pipeline import bubble_split, microbatch_times, pipeline_stages
 from .analyzers.runview import RunView, view_of
 from .analyzers.stragglers import find_stragglers
 from .naming import KNOWN_KINDS
@@ -193,9 +193,9 @@ def build_report(run, steps=None, ranks=None) -> dict:
     table = breakdown_table(partitions)
     gpu = gpu_timeline(view.events, set(view.steps) if view.steps else None)
     n_steps = max(len(view.steps), 1)
-    stages, pipe = pipeline_stages(view, partitions)
-    sel_pairs = pairs[pairs["step"].isin(list(view.steps))] if view.steps else pairs
     inst = instances(view)
+    stages, pipe = pipeline_stages(view, partitions, bubble_split(view, partitions, pairs, inst))
+    sel_pairs = pairs[pairs["step"].isin(list(view.steps))] if view.steps else pairs
     if view.steps and inst is not None and len(inst):
         inst = inst[inst["step"].isin(list(view.steps))]
     links = link_table(sel_pairs)
@@ -253,13 +253,16 @@ def print_report(report: dict, console) -> None:
     )
     pipe = report["pipeline"]
     if pipe["stages"] and lay["pp"] > 1:
+        # "schedule" is the part of the bubble the schedule causes (compare with theory);
+        # "latency" the part owed to p2p latency and host gaps on the critical path.
         t = Table(title=f"Pipeline bubble per stage (ms) — measured {pipe['bubble_fraction']:.1%} vs "
                         f"theory {pipe['theory_bubble_fraction']:.1%} of the step")
-        for col in ("stage", "step", "bubble", "frac", "theory", "theory frac", "warm-up", "steady",
-                    "cool-down", "t_fwd", "t_bwd", "t_w"):
+        for col in ("stage", "step", "bubble", "frac", "schedule", "latency", "theory", "theory frac",
+                    "warm-up", "steady", "cool-down", "t_fwd", "t_bwd", "t_w"):
             t.add_column(col, justify="right")
         for s in pipe["stages"]:
             t.add_row(str(s["stage"]), _ms(s["step_s"]), _ms(s["bubble_s"]), f"{s['bubble_fraction']:.1%}",
+                      _ms(s.get("bubble_schedule_s")), _ms(s.get("bubble_latency_s")),
                       _ms(s.get("theory_bubble_s")), f"{s.get('theory_bubble_fraction') or 0:.1%}",
                       _ms(s["warmup_bubble_s"]), _ms(s["steady_bubble_s"]), _ms(s["cooldown_bubble_s"]),
                       _ms(s["t_fwd_s"]), _ms(s["t_bwd_s"]), _ms(s["t_wgrad_s"]))

@@ -137,7 +137,8 @@ def critical_path(run, step: int | None = None) -> CriticalPath:
         if unit.end < t:
             emit(rank, "other", unit.end, t)
             t = unit.end
-        waited = [(r, a) for r, a in unit.waits_on if unit.start < a < t]
+        # a == t: the message arrived the instant the peer posted (no latency), still a wait
+        waited = [(r, a) for r, a in unit.waits_on if unit.start < a <= t]
         if waited:
             peer, arrival = max(waited, key=lambda x: x[1])
             emit_unit(rank, unit, arrival, t)

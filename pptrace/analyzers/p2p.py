@@ -98,42 +98,49 @@ def _with_wait_transfer(pairs: pd.DataFrame) -> pd.DataFrame:
                         transfer_ns=t1 - t0)
 
 
+_UNMATCHED = np.iinfo(np.int64).min
+
+
 def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:
     """rank -> (wait Intervals, transfer Intervals) over that rank's own p2p ranges.
 
     A pair moves data from when both sides have posted until the first side completes
-    (a finished recv has its data; a finished send has handed it over). Before that a side
-    waits for its peer; after it, the side that is still inside its range waits for
-    something else — in Megatron's combined ops (send_forward_recv_backward) both ranges
-    last until *both* transfers are done, so a send's range holds the wait for the recv
-    posted with it. Waits are bubble. Unmatched ranges cannot be split and count as
-    transfer (without the peer nothing shows that it was waiting)."""
-    pieces: dict = {}
-
-    def add(rank, kind, s, e):
-        pieces.setdefault(int(rank), {"wait": ([], []), "transfer": ([], [])})
-        pieces[int(rank)][kind][0].append(s)
-        pieces[int(rank)][kind][1].append(e)
-
+    (a finished recv has its data; a finished send has handed it over; see _moving). A rank
+    blocks in *exchanges*: the overlapping p2p ranges of one op. Megatron's combined ops
+    (send_forward_recv_backward, the interleaved four-way exchange) post several messages
+    and wait for all, so an exchange cannot be moving data before its *last* message has
+    both sides posted: until then it waits for that peer, even while an earlier-matched
+    message moves (the simulator's rendezvous model). A send the transport buffered (done
+    before its recv was posted) holds nothing up. Waits are bubble. Ranges without a
+    matched peer cannot be split and count as transfer (without the peer nothing shows
+    that it was waiting)."""
     t0, t1 = _moving(pairs)
-    for own in ("send", "recv"):
-        rank = pairs["src" if own == "send" else "dst"].to_numpy()
-        s = pairs[f"{own}_start_ns"].to_numpy()
-        e = pairs[f"{own}_end_ns"].to_numpy()
-        a, b = np.clip(t0, s, e), np.clip(t1, s, e)
-        for r in np.unique(rank):
-            m = rank == r
-            add(r, "wait", s[m], a[m])
-            add(r, "transfer", a[m], b[m])
-            add(r, "wait", b[m], e[m])
-    for r, grp in unmatched.groupby("rank"):
-        add(r, "transfer", grp["start_ns"].to_numpy(), grp["end_ns"].to_numpy())
+    send_start, send_end = pairs["send_start_ns"].to_numpy(), pairs["send_end_ns"].to_numpy()
+    recv_start, recv_end = pairs["recv_start_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy()
+    both_posted = np.maximum(send_start, recv_start)
+    n_free = len(unmatched)
+    free_start, free_end = unmatched["start_ns"].to_numpy(), unmatched["end_ns"].to_numpy()
+    rank = np.concatenate([pairs["src"].to_numpy(), pairs["dst"].to_numpy(), unmatched["rank"].to_numpy()]).astype(np.int64)
+    start = np.concatenate([send_start, recv_start, free_start]).astype(np.int64)
+    end = np.concatenate([send_end, recv_end, free_end]).astype(np.int64)
+    # when each range's message lets its exchange move on; unmatched ranges do not say
+    ready = np.concatenate([np.where(send_end <= recv_start, send_start, both_posted), both_posted,
+                            np.full(n_free, _UNMATCHED)]).astype(np.int64)
+    move0 = np.concatenate([t0, t0, free_start]).astype(np.int64)
+    move1 = np.concatenate([t1, t1, free_end]).astype(np.int64)
     out = {}
-    for r, parts in pieces.items():
-        out[r] = tuple(
-            union(np.concatenate(parts[k][0]) if parts[k][0] else [], np.concatenate(parts[k][1]) if parts[k][1] else [])
-            for k in ("wait", "transfer")
-        )
+    for r in np.unique(rank):
+        mine = np.flatnonzero(rank == r)
+        mine = mine[np.lexsort((-end[mine], start[mine]))]
+        s, e = start[mine], end[mine]
+        # exchanges: runs of ranges that overlap the running end of the ranges before them
+        first = np.flatnonzero(np.r_[True, s[1:] >= np.maximum.accumulate(e)[:-1]])
+        group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(s)]))
+        last_ready = np.maximum.reduceat(ready[mine], first)[group]
+        a = np.clip(np.maximum(move0[mine], last_ready), s, e)
+        b = np.clip(move1[mine], s, e)
+        transfer = union(a[b > a], b[b > a])
+        out[int(r)] = (union(s, e) - transfer, transfer)
     return out
 
 

@@ -12,11 +12,23 @@ above when stages are balanced:
     interleaved step = m max(T) + (sum(T) - max(T)) / v
     ZB-H1       step = m max(T) + (sum(T-2t_w) - max(T-2t_w))
 and a stage's theoretical bubble is step - m T_stage.
+
+The closed forms assume free p2p and no host time between passes. A real pipeline also waits
+for p2p latency and host gaps on its critical path; every stage idles through those too, so
+they add the same time to every stage's bubble. ``bubble_split`` separates that part
+(``bubble_latency_s``) from the rest (``bubble_schedule_s``, the schedule's own bubble, the
+number to compare with the theory).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pandas as pd
+
+from .breakdown import pipeline_windows
+from .critical_path import critical_path
+from .intervals import Intervals
 
 FWD_OPS = ("fwd",)
 BWD_OPS = ("bwd", "bwd_input", "bwd_weight")
@@ -96,8 +108,56 @@ def balanced_theory_bubble(schedule: str | None, p: int, v: int, t: float, t_w: 
     return (p - 1) * t
 
 
-def pipeline_stages(view, partitions: list) -> tuple[pd.DataFrame, dict]:
-    """(one row per physical stage, run-level summary dict)."""
+def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None,
+                 collectives: pd.DataFrame | None = None) -> dict:
+    """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
+
+    Per step, L is the time the critical path spends inside the pipeline window in p2p
+    transfer or host gaps (``critical_path``): with free p2p and no host time the window
+    would be L shorter, and every stage would idle L less. A rank already spends part of its
+    idle time in its own transfers and host gaps, which are not bubble, so its bubble owes
+    L minus that part to latency (clipped to [0, bubble]). On a balanced GPipe, 1F1B or
+    interleaved schedule with any fixed latency this leaves exactly the closed form as
+    schedule bubble (less on a stage whose own transfers exceed L: it moved data in part of
+    its slack), tests/test_bubble_split.py.
+    Steps whose critical path cannot be traced (no host step ranges, GPU-only traces) are
+    left out: the caller reports their split as unknown.
+    """
+    windows = pipeline_windows(view)
+    if not windows:
+        return {}
+    traced = replace(view, pairs=pairs if pairs is not None else view.pairs,
+                     collectives=collectives if collectives is not None else view.collectives)
+    if traced.pairs is None or traced.collectives is None or "send_index" not in traced.pairs.columns:
+        return {}
+    latency = {}
+    for step, (lo, hi) in windows.items():
+        if step not in traced.steps:
+            continue
+        try:
+            seg = critical_path(traced, step).segments
+        except (ValueError, KeyError):
+            continue
+        off_compute = seg["phase"].isin(["pp:transfer", "other"]).to_numpy()
+        start = np.clip(seg["start_ns"].to_numpy(), lo, hi)
+        end = np.clip(seg["end_ns"].to_numpy(), lo, hi)
+        latency[step] = int((end - start)[off_compute].sum())
+    out = {}
+    window_of = {step: Intervals.span(lo, hi) for step, (lo, hi) in windows.items()}
+    for part in partitions:
+        if part.step not in latency:
+            continue
+        window = window_of[part.step]
+        own = (part.parts["pp_transfer"] & window).total + (part.parts["other"] & window).total
+        bubble = part.parts["pp_bubble"].total
+        out[(part.rank, part.step)] = int(min(max(latency[part.step] - own, 0), bubble))
+    return out
+
+
+def pipeline_stages(view, partitions: list, latency: dict | None = None) -> tuple[pd.DataFrame, dict]:
+    """(one row per physical stage, run-level summary dict). ``latency``: bubble_split's
+    output; without it the bubble is not split."""
+    latency = latency or {}
     times = microbatch_times(view)
     by_key = {(p.rank, p.step): p for p in partitions}
     p = view.layout.pp
@@ -116,8 +176,19 @@ def pipeline_stages(view, partitions: list) -> tuple[pd.DataFrame, dict]:
         ph = phases[phases["rank"].isin(ranks)]
         step_s = float(np.mean([q.wall_ns for q in parts]) / 1e9) if parts else 0.0
         bubble = float(np.mean([q.parts["pp_bubble"].total for q in parts]) / 1e9) if parts else 0.0
+        split = [latency[(q.rank, q.step)] for q in parts if (q.rank, q.step) in latency]
+        owed = float(np.mean(split) / 1e9) if parts and len(split) == len(parts) else None
+        per_step = []
+        for q in sorted(parts, key=lambda q: (q.step, q.rank)):
+            lat = latency.get((q.rank, q.step))
+            per_step.append({"rank": q.rank, "step": q.step, "bubble_s": q.parts["pp_bubble"].total / 1e9,
+                             "bubble_latency_s": None if lat is None else lat / 1e9,
+                             "bubble_schedule_s": None if lat is None else (q.parts["pp_bubble"].total - lat) / 1e9})
         rows.append({
             "stage": stage, "ranks": ranks, "step_s": step_s, "bubble_s": bubble,
+            "bubble_schedule_s": None if owed is None else bubble - owed,
+            "bubble_latency_s": owed,
+            "steps": per_step,
             "bubble_fraction": bubble / step_s if step_s else 0.0,
             "warmup_bubble_s": float(ph["warmup_s"].mean()) if not ph.empty else 0.0,
             "steady_bubble_s": float(ph["steady_s"].mean()) if not ph.empty else 0.0,

@@ -1,0 +1,110 @@
+"""The bubble's split into the schedule's own part and the part owed to p2p latency, on
+traces whose every time is known: the simulator runs a balanced schedule with a fixed
+latency per message, and its timeline is written as per-rank torch.profiler traces (whole
+µs, the trainer's range names and tags), loaded and analysed like a real run.
+
+Ground truth: a balanced pipeline with free p2p idles exactly the closed form on every
+stage; latency lengthens the step and every stage idles that much more. So the schedule
+part must equal the closed form to the microsecond, whatever the latency.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pptrace.analyzers.breakdown import partition_run
+from pptrace.analyzers.collectives import instances
+from pptrace.analyzers.p2p import match_pairs
+from pptrace.analyzers.pipeline import balanced_theory_bubble, bubble_split, pipeline_stages
+from pptrace.simulate import PipelineTimes, simulate, stage_program
+from pptrace.topology import Layout
+
+from test_analyzers_synthetic import _trace, _view
+
+P, M = 4, 8
+T_F, T_B, T_W = 10_000, 20_000, 10_000  # µs
+
+
+def _msg_name(msg) -> str:
+    op = ("send_" if msg.is_send else "recv_") + msg.direction
+    peer = msg.dst if msg.is_send else msg.src
+    return f"pp:{op} peer={peer} mb={msg.mb}"
+
+
+def _ranges(schedule: str, stage: int, v: int, timeline) -> list:
+    """The stage's ranges in µs: its passes and, per exchange, one range per message from
+    posting to completion (the trainer's regions), W passes of ZB-H1 nested inside."""
+    chunked = (lambda name, chunk: f"{name} chunk={chunk}") if v > 1 else (lambda name, chunk: name)
+    rows = timeline.ops[timeline.ops["stage"] == stage].itertuples()
+    names = {"F": "compute:fwd", "B": "compute:bwd_input" if schedule == "zb-h1" else "compute:bwd",
+             "W": "compute:bwd_weight"}
+    out, posted, at = [], (), 0
+    for op in stage_program(schedule, P, stage, M, v):
+        if op.kind == "post":  # its ranges open here; the W's that follow nest inside them
+            posted, at = op.msgs, len(out)
+            continue
+        row = next(rows)
+        start, end = round(row.start_s * 1e6), round(row.end_s * 1e6)
+        if op.kind in names:
+            out.append((chunked(f"{names[op.kind]} mb={op.mb}", op.chunk), start, end))
+        else:
+            msgs = [(chunked(_msg_name(msg), msg.chunk), start, end) for msg in op.msgs or posted]
+            at = len(out) if op.msgs else at
+            out[at:at] = msgs
+    return out
+
+
+def _run(tmp_path, schedule: str, v: int, latency_us: int):
+    wgrad = T_W if schedule == "zb-h1" else 0
+    times = PipelineTimes.uniform(P, M, T_F / 1e6, (T_B - wgrad) / 1e6, wgrad / 1e6, latency_s=latency_us / 1e6)
+    timeline = simulate(schedule, times, vpp=v)
+    end = round(timeline.makespan_s * 1e6) + 10
+    layout = Layout(pp=P)
+    traces = {s: _trace(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline)], layout=layout)
+              for s in range(P)}
+    view = _view(tmp_path, traces, layout, schedule=schedule, microbatches=M, vpp=v)
+    pairs, unmatched = match_pairs(view)
+    assert unmatched.empty
+    partitions = partition_run(view)
+    latency = bubble_split(view, partitions, pairs, instances(view))
+    stages, _ = pipeline_stages(view, partitions, latency)
+    return stages, timeline
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+@pytest.mark.parametrize("latency_us", [0, 500, 2000])
+def test_partition_matches_the_simulated_schedule(tmp_path, schedule, v, latency_us):
+    """The simulator's ground truth per stage: compute, transfer (blocked after every message
+    of the exchange had both sides posted) and bubble (the rest of the step), to the µs. In
+    a combined exchange an early-matched message does not make the wait for the others
+    transfer."""
+    stages, timeline = _run(tmp_path, schedule, v, latency_us)
+    truth = timeline.stages.set_index("stage")
+    for s in stages.itertuples():
+        assert round(s.bubble_s * 1e6) == round(truth.loc[s.stage, "bubble_s"] * 1e6), s.stage
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+@pytest.mark.parametrize("latency_us", [0, 500, 2000])
+def test_schedule_bubble_is_the_closed_form_whatever_the_latency(tmp_path, schedule, v, latency_us):
+    stages, timeline = _run(tmp_path, schedule, v, latency_us)
+    theory_us = balanced_theory_bubble(schedule, P, v, T_F + T_B, T_W if schedule == "zb-h1" else 0)
+    makespan_us = round(timeline.makespan_s * 1e6)
+    assert (makespan_us == M * (T_F + T_B) + theory_us) == (latency_us == 0)
+    for s in stages.itertuples():
+        bubble, schedule_part, latency_part = (round(x * 1e6) for x in (s.bubble_s, s.bubble_schedule_s, s.bubble_latency_s))
+        assert schedule_part + latency_part == bubble
+        if latency_us == 0:
+            assert latency_part == 0 and bubble == theory_us
+        elif schedule == "zb-h1":
+            # Delayed by latency, some of ZB-H1's W passes (placed to fill the bubble) land on
+            # the critical path, so latency costs a little more than the path's own p2p time.
+            assert theory_us <= schedule_part <= theory_us + 2 * latency_us, s.stage
+        else:
+            # A stage whose own transfers exceed the latency on the critical path moved data
+            # in part of its schedule slack: that part is transfer, not bubble.
+            assert schedule_part == min(bubble, theory_us), s.stage
+    assert (stages["bubble_latency_s"] > 0).any() == (latency_us > 0)
