@@ -4,7 +4,8 @@ Every trace starts on its host's epoch clock (baseTimeNanoseconds + ts). Ranks o
 agree; across hosts they are only as good as NTP. Matched communication refines that with
 *hard constraints*, facts of causality that hold whatever the scheduling noise:
 
-- **p2p**: a recv cannot end before its send started, so for a send a->b,
+- **p2p** (pipeline ranges, which span posting to completion): a recv cannot end before its
+  send started, so for a send a->b,
   ``offset_b - offset_a <= recv_end_b - send_start_a`` (raw clocks). Traffic both ways
   (forward activations, backward gradients) brackets the difference like NTP's round trip.
 - **blocking collectives**: nobody leaves before everybody arrived, so for ranks a, b of one
@@ -85,6 +86,11 @@ def hard_constraints(instances: pd.DataFrame | None, pairs: pd.DataFrame | None,
         if a != b and c < cons.get((a, b), np.inf):
             cons[(a, b)] = c
 
+    if pairs is not None and len(pairs) and "kind" in pairs.columns:
+        # Only pipeline ranges span posting to completion (contract 1). CP's ring exchange is
+        # posted async and completed by a later cp:wait, so its recv range ends before the
+        # data arrives and would fake a causality violation of tens of ms.
+        pairs = pairs[pairs["kind"].astype(str) == "pp"]
     if pairs is not None and len(pairs):
         slack = (pairs["recv_end_ns"] - pairs["send_start_ns"]).to_numpy(np.int64)
         frame = pd.DataFrame({"src": pairs["src"].to_numpy(), "dst": pairs["dst"].to_numpy(), "c": slack})

@@ -109,3 +109,21 @@ def test_clock_step_warning_needs_more_than_the_sampling_bracket():
     # ... but not when the samples themselves were only good to 2 ms each (a preempted read)
     assert clock_drift_warnings({0: meta(3_000_000, 2_000_000)}) == []
     assert clock_drift_warnings({0: meta(500_000, 0)}) == []
+
+
+def test_async_cp_ranges_are_not_causality_facts():
+    """CP's ring exchange is posted async (cp:send_kv / cp:recv_kv end when posted) and
+    completed by a cp:wait: a recv range ending 30 ms before its send started is normal there
+    and must not move one host's shared clock. The same gap on pipeline ranges, which span
+    posting to completion, is a real violation."""
+    import pandas as pd
+
+    def pairs(kind):
+        return pd.DataFrame({"kind": [kind], "src": [0], "dst": [1], "send_start_ns": [40_000_000],
+                             "recv_start_ns": [9_000_000], "recv_end_ns": [10_000_000]})
+
+    hosts = {0: "vm", 1: "vm"}
+    offsets, warnings = estimate_offsets([0, 1], pairs=pairs("cp"), hosts=hosts)
+    assert list(offsets["method"]) == ["same host", "same host"] and not warnings
+    offsets, _ = estimate_offsets([0, 1], pairs=pairs("pp"), hosts=hosts)
+    assert "same host" not in set(offsets["method"])
