@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # tracegen, and this checkout's pptrace
 
 CHROMIUM = "/usr/bin/chromium"
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -61,7 +62,7 @@ def _render_seconds(browser, html: Path, repeats: int) -> tuple[list[float], dic
         c0, t0 = _tree_cpu_seconds(), time.perf_counter()
         page.goto(html.resolve().as_uri())
         page.wait_for_function(FIRST_SCREEN, timeout=120000)
-        # two frames: WebGL traces draw on the next animation frame after newPlot
+        # two frames: what newPlot laid out is painted on the next animation frame
         page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
         info.setdefault("first_screen_s", []).append(round(time.perf_counter() - t0, 2))
         # then scroll through the page: the other figures are drawn as they come into view
@@ -77,7 +78,7 @@ def _render_seconds(browser, html: Path, repeats: int) -> tuple[list[float], dic
             " return gd ? {traces: gd._fullData.length,"
             " points: gd._fullData.reduce((n, t) => n + (t.x ? t.x.length : 0), 0)} : {}; }")
         if info.get("traces"):
-            t1 = time.perf_counter()  # zoom into 2% of the x range and back: WebGL redraws
+            t1 = time.perf_counter()  # zoom into 2% of the x range and back: redraws
             page.evaluate("() => { const gd = document.getElementById('fig-timeline');"
                           " const r = gd._fullLayout.xaxis.range;"
                           " return Plotly.relayout(gd, {'xaxis.range': [r[0], r[0] + (r[1] - r[0]) / 50]})"

@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 
 from pptrace.topology import Layout
 
+from .blocks import PLOT_WIDTH_PX, block_traces, fitting_labels, label_font_px
 from .timeline import Timeline
 
 PARTS = ("compute", "pp_bubble", "pp_transfer", "tp_exposed", "cp_exposed", "dp_exposed",
@@ -34,7 +35,6 @@ PHASE_STYLE = {  # phase -> (legend name, colour); F/B/W as in the Megatron and 
     "kernel": ("compute kernels", "#4C78A8"), "nccl": ("NCCL kernels", "#E45756"),
 }
 IDLE_COLOR = "rgba(120,120,120,0.30)"
-MAX_LABELS_PER_STEP = 6000  # WebGL text beyond this costs seconds and is unreadable unzoomed
 
 
 def esc(text) -> str:
@@ -61,6 +61,24 @@ def rank_label(report: dict, rank: int) -> str:
         return f"rank {rank}"
 
 
+# Legends sit above the plot, inside the top margin. A legend at the right (Plotly's default)
+# widens the right margin after the first layout, and Plotly then lays the figure out again.
+TOP_LEGEND = dict(orientation="h", y=1.02, yanchor="bottom", x=0)
+
+
+def _cheap_ticks(fig: go.Figure) -> go.Figure:
+    """Tick labels are not measured one by one to hide those past the figure's edge (the SVG
+    clips them anyway): on axes with dozens of rank labels that measuring is most of a plot."""
+    fig.update_xaxes(ticklabeloverflow="allow")
+    fig.update_yaxes(ticklabeloverflow="allow")
+    return fig
+
+
+def _rank_axis_margin(labels: list[str]) -> int:
+    """Room for rank labels written along an axis (about 6.5 px a character at Plotly's 12 px)."""
+    return int(30 + 6.5 * max((len(t) for t in labels), default=0))
+
+
 def _empty(title: str, why: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=esc(why), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
@@ -68,21 +86,9 @@ def _empty(title: str, why: str) -> go.Figure:
     return fig
 
 
-# -- the pipeline timeline ----------------------------------------------------------------------
-def _segments(x0: np.ndarray, x1: np.ndarray, y: np.ndarray):
-    """Blocks as one polyline: x0, mid, x1, gap. The midpoint is a vertex so that hovering the
-    middle of a wide block finds it (WebGL hover snaps to vertices)."""
-    n = len(x0)
-    xs = np.empty(4 * n)
-    xs[0::4], xs[1::4], xs[2::4], xs[3::4] = x0, (x0 + x1) / 2, x1, np.nan
-    ys = np.repeat(y.astype(float), 4)
-    ys[3::4] = np.nan
-    return xs, ys
-
-
+# -- the pipeline timeline ---------------------------------------------------------------------
 def _block_hover(blocks, lane_label: dict) -> list[str]:
-    """Hover text per block. Kept short: it is repeated on the block's three vertices and is
-    most of the page's bytes on large runs (bytes= and peer= are already in the range name)."""
+    """Hover text per block (bytes= and peer= are already in the range name)."""
     out = []
     for r in blocks.itertuples(index=False):
         parts = [f"<b>{esc(r.name)}</b>", esc(lane_label.get(r.rank, f"rank {r.rank}"))]
@@ -98,18 +104,28 @@ def _block_hover(blocks, lane_label: dict) -> list[str]:
     return out
 
 
-def _per_vertex(text: list[str]) -> list:
-    """Block text on its x0, mid and x1 vertices; nothing on the gap vertex."""
-    out = [None] * (4 * len(text))
-    out[0::4] = out[1::4] = out[2::4] = text
-    return out
-
-
 def _block_label(phase: str, mb, chunk) -> str:
     mb_s, chunk_s = _fmt_int(mb), _fmt_int(chunk)
     if mb_s is None:
         return ""
     return f"{phase}{mb_s}" + (f".{chunk_s}" if chunk_s is not None else "")
+
+
+def _label_trace(labelled, y_of: dict, step: int, px_row: float, span_ms: float):
+    """Block labels (F3, B3.1, ...). The trace holds the labels readable at full view; all of
+    the step's labels ride along in ``meta.labels`` for the page's zoom handler."""
+    x = [round(float(v), 6) for v in (labelled["start_ms"] + labelled["end_ms"]) / 2]
+    y = [float(y_of[r]) for r in labelled["rank"]]
+    text = [_block_label(p, m, c) for p, m, c in
+            zip(labelled["phase"], labelled["mb"], labelled["chunk"])]
+    width = [round(float(v), 6) for v in labelled["end_ms"] - labelled["start_ms"]]
+    shown = fitting_labels(x, y, text, width, px_per_ms=PLOT_WIDTH_PX / max(span_ms, 1e-9),
+                           row_px=px_row)
+    return go.Scatter(
+        x=[x[i] for i in shown], y=[y[i] for i in shown], text=[text[i] for i in shown],
+        mode="text", textfont=dict(color="white", size=label_font_px(px_row)),
+        hoverinfo="skip", showlegend=False,
+        meta={"step": step, "phase": "labels", "labels": {"x": x, "y": y, "text": text, "w": width}})
 
 
 def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Figure:
@@ -125,48 +141,39 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
     fig = go.Figure()
     step_of_trace = []
 
+    def add(*traces, step):
+        for trace in traces:
+            fig.add_trace(trace)
+            step_of_trace.append(step)
+
     for step in tl.steps:
         idle = tl.idle[tl.idle["step"] == step]
+        blocks = tl.blocks[tl.blocks["step"] == step]
+        span = float(blocks["end_ms"].max() - min(0.0, float(blocks["start_ms"].min())))
+        px_per_ms = PLOT_WIDTH_PX / max(span, 1e-9)
         if not idle.empty:
-            xs, ys = _segments(idle["start_ms"].to_numpy(), idle["end_ms"].to_numpy(),
-                               idle["rank"].map(y_of).to_numpy())
             text = [f"idle (no compute in the pipeline window)<br>{esc(lane_label[r])}<br>"
                     f"{a:.3f} ms + {1000 * (b - a):.3f} µs"
                     for r, a, b in zip(idle["rank"], idle["start_ms"], idle["end_ms"])]
-            fig.add_trace(go.Scattergl(
-                x=xs, y=ys, mode="lines", name="idle (bubble)", legendgroup="idle",
-                line=dict(color=IDLE_COLOR, width=px_row * 0.8),
-                hovertext=_per_vertex(text), hoverinfo="text",
-                meta={"step": step, "phase": "idle"}, connectgaps=False,
-            ))
-            step_of_trace.append(step)
-        blocks = tl.blocks[tl.blocks["step"] == step]
+            add(*block_traces(idle["start_ms"].to_numpy(), idle["end_ms"].to_numpy(),
+                               idle["rank"].map(y_of).to_numpy(dtype=float), 0.8, text,
+                               name="idle (bubble)", color="#9E9E9E", fill=IDLE_COLOR,
+                               meta={"step": step, "phase": "idle"}, px_per_unit=px_per_ms),
+                step=step)
         for phase, pb in blocks.groupby("phase", sort=False):
             name, color = PHASE_STYLE.get(phase, (phase, "#888888"))
             row = pb["row"].iloc[0]
-            offset, width = row_offset[row]
-            y = pb["rank"].map(y_of).to_numpy() + offset
+            offset, height = row_offset[row]
+            y = pb["rank"].map(y_of).to_numpy(dtype=float) + offset
             if row == "p2p":  # recv and send of one batched exchange overlap: split the row
                 y = y + (-0.18 if phase == "recv" else 0.18)
-            xs, ys = _segments(pb["start_ms"].to_numpy(), pb["end_ms"].to_numpy(), y)
-            fig.add_trace(go.Scattergl(
-                x=xs, y=ys, mode="lines", name=esc(name), legendgroup=phase,
-                line=dict(color=color, width=px_row * width),
-                hovertext=_per_vertex(_block_hover(pb, lane_label)), hoverinfo="text",
-                meta={"step": step, "phase": phase}, connectgaps=False,
-            ))
-            step_of_trace.append(step)
+            add(*block_traces(pb["start_ms"].to_numpy(), pb["end_ms"].to_numpy(), y, height,
+                               _block_hover(pb, lane_label), name=esc(name), color=color,
+                               meta={"step": step, "phase": phase}, px_per_unit=px_per_ms),
+                step=step)
         labelled = blocks[blocks["phase"].isin(["F", "B", "W"]) & (blocks["merged"] == 1)]
-        if 0 < len(labelled) <= MAX_LABELS_PER_STEP:
-            fig.add_trace(go.Scattergl(
-                x=((labelled["start_ms"] + labelled["end_ms"]) / 2).to_numpy(),
-                y=labelled["rank"].map(y_of).to_numpy(dtype=float),
-                mode="text", text=[_block_label(p, m, c) for p, m, c in
-                                   zip(labelled["phase"], labelled["mb"], labelled["chunk"])],
-                textfont=dict(color="white", size=max(7, min(11, int(px_row * 0.55)))),
-                hoverinfo="skip", showlegend=False, meta={"step": step, "phase": "labels"},
-            ))
-            step_of_trace.append(step)
+        if not labelled.empty:
+            add(_label_trace(labelled, y_of, step, px_row, span), step=step)
 
     first = tl.steps[0]
     for trace, step in zip(fig.data, step_of_trace):
@@ -178,26 +185,33 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
     shapes = [dict(type="line", xref="paper", x0=0, x1=1, y0=b.y - 0.8, y1=b.y - 0.8,
                    line=dict(color="#555", width=1))
               for a, b in zip(tl.lanes, tl.lanes[1:]) if a.stage != b.stage]
-    height = int(n_rows * px_row + 170)
+    plot_px = n_rows * px_row
+    y_range = [max(lane.y for lane in tl.lanes) + 2.5, -0.5]
+    height = int(plot_px + 170)
     fig.update_layout(
-        title=title, height=height, hovermode="closest", dragmode="zoom",
-        plot_bgcolor="white", legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0),
-        margin=dict(l=150, r=20, t=110, b=50), shapes=shapes,
+        title=title, height=height, hovermode="closest", dragmode="zoom", plot_bgcolor="white",
+        # fixed margins, with the legend and the step buttons placed inside them: a legend or
+        # menu that pushes a margin makes Plotly lay the whole figure out a second time
+        legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0),
+        margin=dict(l=150, r=20, t=110, b=50, autoexpand=False), shapes=shapes,
         xaxis=dict(title="time since the step's start (ms, aligned clocks)", showgrid=True,
-                   gridcolor="#eee", zeroline=False),
+                   gridcolor="#eee", zeroline=False, rangemode="tozero"),
+        # an explicit y range: autorange would pad it by 5% of the lanes (hover targets count
+        # as points), and the reversed range puts stage 0 on top
         yaxis=dict(tickvals=[t[0] for t in ticks], ticktext=[t[1] for t in ticks],
-                   autorange="reversed", showgrid=False, zeroline=False, tickfont=dict(size=10)),
+                   range=y_range, showgrid=False, zeroline=False, tickfont=dict(size=10),
+                   ticklabeloverflow="allow"),
     )
     if len(tl.steps) > 1:
         buttons = [dict(label=f"step {s}", method="update",
                         args=[{"visible": [t == s for t in step_of_trace]},
-                              {"xaxis.autorange": True, "yaxis.autorange": "reversed"}])
+                              {"xaxis.autorange": True, "yaxis.range": y_range}])
                    for s in tl.steps]
         many = len(buttons) > 4  # a row of buttons would run into the legend
         fig.update_layout(updatemenus=[dict(type="dropdown" if many else "buttons",
                                             direction="down" if many else "right",
-                                            buttons=buttons, x=1, xanchor="right", y=1.12,
-                                            yanchor="bottom")])
+                                            buttons=buttons, x=1, xanchor="right",
+                                            y=1 + 40 / plot_px, yanchor="bottom")])
     return fig
 
 
@@ -231,12 +245,19 @@ def partition_figure(report: dict) -> go.Figure:
                              marker=dict(symbol="line-ew-open", size=24, color="black"),
                              hovertemplate="step time %{y:.3f} ms<extra>%{x}</extra>"))
     fig.update_layout(barmode="stack", title="Step time partition per rank (mean over steps)",
-                      yaxis_title="ms per step", height=420, legend_traceorder="normal")
+                      yaxis_title="ms per step", height=420, legend_traceorder="normal",
+                      legend=TOP_LEGEND)
+    if len(labels) > 8:  # upright labels would overlap: turn them, and make room below
+        fig.update_layout(height=420 + _rank_axis_margin(labels),
+                          margin=dict(b=_rank_axis_margin(labels) + 20))
+        fig.update_xaxes(tickangle=-90)
     return fig
 
 
 def bubble_figure(report: dict) -> go.Figure:
-    """Measured vs theoretical bubble fraction per pipeline stage."""
+    """Measured vs theoretical bubble fraction per pipeline stage; the measured bar is split
+    into the part the schedule causes and the part owed to p2p latency when the report has
+    that split."""
     stages = (report.get("pipeline") or {}).get("stages") or []
     if not stages:
         return _empty("Pipeline bubble per stage", "the report has no pipeline stages")
@@ -245,13 +266,26 @@ def bubble_figure(report: dict) -> go.Figure:
     theory = [None if s.get("theory_bubble_fraction") is None
               else 100 * float(s["theory_bubble_fraction"]) for s in stages]
     bubble_ms = [1000 * float(s.get("bubble_s") or 0) for s in stages]
-    fig = go.Figure([
-        go.Bar(x=x, y=measured, name="measured", marker_color=PART_COLORS["pp_bubble"],
-               customdata=bubble_ms,
-               hovertemplate="measured %{y:.2f}% (%{customdata:.3f} ms)<extra>%{x}</extra>"),
-        go.Bar(x=x, y=theory, name="theory (from measured t_f, t_b)", marker_color="#4C78A8",
-               hovertemplate="theory %{y:.2f}%<extra>%{x}</extra>"),
-    ])
+    theory_bar = go.Bar(x=x, y=theory, name="theory (from measured t_f, t_b)", marker_color="#4C78A8",
+                        offsetgroup="theory", hovertemplate="theory %{y:.2f}%<extra>%{x}</extra>")
+    if all(s.get("bubble_latency_s") is not None and s.get("step_s") for s in stages):
+        latency_ms = [1000 * float(s["bubble_latency_s"]) for s in stages]
+        latency = [100 * float(s["bubble_latency_s"]) / float(s["step_s"]) for s in stages]
+        schedule = [m - lat for m, lat in zip(measured, latency)]
+        bars = [
+            go.Bar(x=x, y=schedule, name="measured: schedule", marker_color=PART_COLORS["pp_bubble"],
+                   offsetgroup="measured", customdata=[b - lat for b, lat in zip(bubble_ms, latency_ms)],
+                   hovertemplate="caused by the schedule %{y:.2f}% (%{customdata:.3f} ms)<extra>%{x}</extra>"),
+            go.Bar(x=x, y=latency, base=schedule, name="measured: p2p latency + host gaps",
+                   marker_color="#F2CF5B", offsetgroup="measured", customdata=latency_ms,
+                   hovertemplate="owed to p2p latency on the critical path %{y:.2f}% (%{customdata:.3f} ms)"
+                                 "<extra>%{x}</extra>"),
+        ]
+    else:
+        bars = [go.Bar(x=x, y=measured, name="measured", marker_color=PART_COLORS["pp_bubble"],
+                       offsetgroup="measured", customdata=bubble_ms,
+                       hovertemplate="measured %{y:.2f}% (%{customdata:.3f} ms)<extra>%{x}</extra>")]
+    fig = go.Figure([*bars, theory_bar])
     pipe = report.get("pipeline") or {}
     sub = ""
     if pipe.get("bubble_fraction") is not None:
@@ -259,7 +293,7 @@ def bubble_figure(report: dict) -> go.Figure:
         if pipe.get("theory_bubble_fraction") is not None:
             sub += f", {100 * pipe['theory_bubble_fraction']:.1f}% theory"
     fig.update_layout(barmode="group", title="Pipeline bubble per stage" + sub,
-                      yaxis_title="% of step", height=380)
+                      yaxis_title="% of step", height=380, legend=TOP_LEGEND)
     return fig
 
 
@@ -289,7 +323,7 @@ def comm_figure(report: dict) -> go.Figure:
                hovertemplate="hidden %{y:.3f} ms<extra>%{x}</extra>"),
     ])
     fig.update_layout(barmode="group", title="Communication: exposed vs hidden per dimension",
-                      yaxis_title="ms per rank per step", height=360)
+                      yaxis_title="ms per rank per step", height=360, legend=TOP_LEGEND)
     return fig
 
 
@@ -349,7 +383,7 @@ def collectives_figure(report: dict) -> go.Figure:
                marker_color="#E45756", hovertemplate="transfer %{y:.3f} ms<extra>%{x}</extra>"),
     ])
     fig.update_layout(barmode="stack", title="Collectives: wait vs transfer", yaxis_title="ms",
-                      height=360)
+                      height=360, legend=TOP_LEGEND)
     if not any(float(r.get("wait_s") or 0) + float(r.get("transfer_s") or 0) for r in rows):
         total = sum(1000 * float(r.get("time_s") or 0) for r in rows)
         fig.add_annotation(text=f"no wait or transfer split in the report "
@@ -420,25 +454,28 @@ def replay_figure(report: dict, whatif_result: dict) -> go.Figure:
                r["start_s"], r["start_s"] + r["dur_s"]) for r in measured]
     blocks += [(("replayed", r["stage"]), r["kind"], r["mb"], r["start_s"], r["end_s"]) for r in simulated]
     fig = go.Figure()
+    span_ms = 1e3 * max([b[4] for b in blocks] or [1.0])
     for phase in ("F", "B", "W", "compute"):
         mine = [b for b in blocks if b[1] == phase]
         if not mine:
             continue
         x0 = np.array([b[3] for b in mine]) * 1e3
         x1 = np.array([b[4] for b in mine]) * 1e3
-        xs, ys = _segments(x0, x1, np.array([lane[b[0]] for b in mine]))
         text = [f"{b[0][0]} stage {b[0][1]}<br>{phase} mb {b[2]}<br>{(b[4] - b[3]) * 1e3:.3f} ms" for b in mine]
         name, color = PHASE_STYLE[phase]
-        fig.add_trace(go.Scattergl(x=xs, y=ys, mode="lines", line={"width": 14, "color": color}, name=name,
-                                   text=_per_vertex(text), hoverinfo="text"))
+        fig.add_traces(block_traces(x0, x1, np.array([lane[b[0]] for b in mine], dtype=float),
+                                     0.6, text, name=name, color=color, meta={"phase": phase},
+                                     px_per_unit=PLOT_WIDTH_PX / span_ms))
     measured_s = (whatif_result.get("measured") or {}).get("step_time_s")
     replayed_s = whatif_result["predicted"].get("step_time_s")
     labels = {y: f"{source} · stage {stage}" for (source, stage), y in lane.items()}
     fig.update_layout(
         title=f"{title}: step {_fmt_s(measured_s)} measured, {_fmt_s(replayed_s)} replayed",
+        xaxis_ticklabeloverflow="allow",
         height=max(260, 36 * len(lane) + 120), xaxis_title="ms from the pipeline window start",
-        yaxis={"tickvals": list(labels), "ticktext": list(labels.values()), "autorange": "reversed"},
-        legend={"orientation": "h"})
+        yaxis={"tickvals": list(labels), "ticktext": list(labels.values()), "autorange": "reversed",
+               "ticklabeloverflow": "allow"},
+        legend=TOP_LEGEND, margin=dict(l=_rank_axis_margin(list(labels.values()))))
     return fig
 
 
@@ -447,7 +484,7 @@ def _fmt_s(seconds) -> str:
 
 
 def report_figures(report: dict) -> dict[str, go.Figure]:
-    return {
+    figures = {
         "partition": partition_figure(report),
         "bubble": bubble_figure(report),
         "comm": comm_figure(report),
@@ -455,3 +492,4 @@ def report_figures(report: dict) -> dict[str, go.Figure]:
         "collectives": collectives_figure(report),
         "stragglers": straggler_figure(report),
     }
+    return {key: _cheap_ticks(fig) for key, fig in figures.items()}

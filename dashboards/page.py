@@ -13,17 +13,20 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from .blocks import LABEL_MIN_FONT_PX, MAX_LABELS_IN_VIEW
 from .figures import replay_figure, report_figures, timeline_figure
 from .timeline import build_timeline
 
 SECTIONS = (  # (figure key, heading, what to read in it)
     ("timeline", "Pipeline timeline",
      "One lane group per rank, pipeline stages top to bottom. F/B/W blocks are labelled by "
-     "microbatch (.chunk when interleaved); grey = no compute inside the pipeline window. "
-     "Drag to zoom, double-click to reset, buttons switch steps."),
+     "microbatch (.chunk when interleaved) where the label fits: zoom in on a large run. "
+     "Grey = no compute inside the pipeline window. Drag to zoom, double-click to reset, "
+     "buttons switch steps."),
     ("replay", "Measured vs replayed schedule",
      "The what-if simulator replays this run's schedule from its measured pass times and p2p "
      "latencies (`pptrace whatif`); a gap between the two lanes is time the model does not explain."),
@@ -34,9 +37,9 @@ SECTIONS = (  # (figure key, heading, what to read in it)
     ("collectives", "Collectives", ""),
     ("stragglers", "Stragglers", ""),
 )
-# Nothing on this page needs the network; the policy makes that a guarantee. regl (WebGL
-# traces) compiles shaders with Function(), hence 'unsafe-eval'.
-_CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; "
+# Nothing on this page needs the network; the policy makes that a guarantee. No eval either:
+# the page draws no WebGL traces (regl compiles its shaders with Function()).
+_CSP = ("default-src 'none'; script-src 'unsafe-inline'; "
         "style-src 'unsafe-inline'; img-src data: blob:; font-src data:; worker-src blob:")
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:0 24px 40px;color:#222}
@@ -101,13 +104,51 @@ _CONFIG = {"displaylogo": False, "responsive": True, "scrollZoom": False,
 # Figures are drawn when they scroll into view: on a 64-rank run each plot costs a few hundred
 # ms of layout, and nobody looks at the heatmaps before the timeline. The figure JSON sits in
 # inert application/json blocks and is parsed with JSON.parse, never evaluated.
+# Block labels (F3, B3.1, ...) are drawn only where they can be read: the figure carries the
+# ones readable at full view, and each zoom, pan or step switch redraws those of the blocks in
+# view by the rule of dashboards.blocks.fitting_labels (all of a step's labels ride along in
+# the label trace's meta). Labels are built from numbers, never from trace names.
 _BOOT = """(function () {
-  var config = %s;
+  var config = __CONFIG__, LABELS = __LABELS__;
+  function fitLabels(gd) {
+    var xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+    if (!xa || !ya || !xa.range || !ya.range) return;
+    var xlo = Math.min(xa.range[0], xa.range[1]), xhi = Math.max(xa.range[0], xa.range[1]);
+    var ylo = Math.min(ya.range[0], ya.range[1]), yhi = Math.max(ya.range[0], ya.range[1]);
+    var pxPerMs = xa._length / (xhi - xlo), font = Math.min(11, 0.55 * ya._length / (yhi - ylo));
+    var idx = [], xs = [], ys = [], texts = [];
+    gd.data.forEach(function (t, i) {
+      var L = t.meta && t.meta.labels, x = [], y = [], text = [];
+      if (!L) return;
+      if (t.visible === true && font >= LABELS.min_font) {
+        for (var j = 0; j < L.x.length; j++) {
+          if (L.x[j] < xlo || L.x[j] > xhi || L.y[j] < ylo || L.y[j] > yhi) continue;
+          if (L.w[j] * pxPerMs < 0.62 * font * L.text[j].length + 4) continue;
+          x.push(L.x[j]); y.push(L.y[j]); text.push(L.text[j]);
+        }
+        if (x.length > LABELS.max_in_view) { x = []; y = []; text = []; }
+      }
+      idx.push(i); xs.push(x); ys.push(y); texts.push(text);
+    });
+    if (idx.length) Plotly.restyle(gd, {x: xs, y: ys, text: texts, 'textfont.size': font}, idx);
+  }
   function draw(div) {
     if (div.getAttribute('data-drawn')) return;
     div.setAttribute('data-drawn', '1');
     var fig = JSON.parse(document.getElementById('data-' + div.id).textContent);
-    Plotly.newPlot(div, fig.data, fig.layout, config);
+    fig.data.forEach(function (t) {  // see _inert_json: one hover text per block on the page
+      if (!t.meta || !t.meta.hover_packed) return;
+      var counts = t.meta.hover_repeat, packed = t.hovertext, text = [];
+      for (var i = 0; i < packed.length; i++)
+        for (var k = 0; k < counts[i]; k++) text.push(packed[i]);
+      t.hovertext = text;
+    });
+    var labelled = fig.data.some(function (t) { return t.meta && t.meta.labels; });
+    Plotly.newPlot(div, fig.data, fig.layout, config).then(function (gd) {
+      if (!labelled) return;
+      gd.on('plotly_relayout', function () { fitLabels(gd); });
+      gd.on('plotly_update', function () { fitLabels(gd); });
+    });
   }
   var divs = document.querySelectorAll('.pptrace-fig');
   if (!('IntersectionObserver' in window)) { divs.forEach(draw); return; }
@@ -119,8 +160,19 @@ _BOOT = """(function () {
 
 
 def _inert_json(fig) -> str:
+    """The figure's JSON for the page. A hover trace repeats each block's text on its points
+    (``meta.hover_repeat``: how many, block by block); the page carries it once per block and
+    the loader repeats it back before plotting (most of a large timeline's bytes are hover text)."""
+    spec = fig.to_plotly_json()
+    for trace in spec.get("data", []):
+        counts = (trace.get("meta") or {}).get("hover_repeat")
+        text = trace.get("hovertext")
+        if counts and isinstance(text, (list, tuple)) and len(text) == sum(counts):
+            starts = np.cumsum([0, *counts[:-1]])
+            trace["hovertext"] = [text[i] for i in starts]
+            trace["meta"] = {**trace["meta"], "hover_packed": True}
     # Plotly already writes < > / as \u003c-style escapes; this keeps "</script" out regardless.
-    return pio.to_json(fig, validate=False).replace("</", "<\\/")
+    return pio.json.to_json_plotly(spec).replace("</", "<\\/")
 
 
 def render_html(run, report: dict, figures: dict) -> str:
@@ -135,7 +187,8 @@ def render_html(run, report: dict, figures: dict) -> str:
             f'<div id="fig-{key}" class="pptrace-fig" style="height:{height}px"></div>'
             f'<script type="application/json" id="data-fig-{key}">{_inert_json(figures[key])}</script>'
             "</section>")
-    boot = _BOOT % json.dumps(_CONFIG)
+    labels = {"min_font": LABEL_MIN_FONT_PX, "max_in_view": MAX_LABELS_IN_VIEW}
+    boot = _BOOT.replace("__CONFIG__", json.dumps(_CONFIG)).replace("__LABELS__", json.dumps(labels))
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'

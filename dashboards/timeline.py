@@ -130,7 +130,7 @@ def _idle_gaps(blocks: pd.DataFrame) -> pd.DataFrame:
 def decimate(blocks: pd.DataFrame, max_blocks: int) -> tuple[pd.DataFrame, int]:
     """Fold neighbouring blocks of one (step, rank, row, phase) that are closer than a pixel at
     full view, until at most about ``max_blocks`` remain. Nobody can see them apart unzoomed, and
-    WebGL plus the HTML size stay bounded on large runs. Merged blocks say how many ops they hold."""
+    the drawing and the HTML size stay bounded on large runs. Merged blocks say how many ops they hold."""
     if len(blocks) <= max_blocks:
         return blocks, 0
     span = max(float(blocks["end_ms"].max() - blocks["start_ms"].min()), 1e-9)

@@ -17,9 +17,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dashboards.blocks import (
+    HOVER_POINTS, HOVER_SPACING_PX, MAX_LABELS_IN_VIEW, fitting_labels, hover_points, polygon_rects, rect_polygon,
+)
 from dashboards.figures import (
-    PARTS, esc, p2p_matrix_figure, partition_figure, straggler_figure, timeline_figure,
-    bubble_figure, comm_figure, collectives_figure, replay_figure,
+    PARTS, esc, p2p_matrix_figure, partition_figure, straggler_figure,
+    timeline_figure, bubble_figure, comm_figure, collectives_figure, replay_figure,
 )
 from dashboards.page import render_html, write_dashboard
 from dashboards.timeline import build_timeline, decimate
@@ -117,15 +120,20 @@ def gpipe_run(tmp_path_factory):
     return load_run(write_gpipe_run(tmp_path_factory.mktemp("gpipe")), use_cache=False)
 
 
+def _lane_of(tl, y: float):
+    """The lane whose three rows (compute at lane.y, p2p, comm) hold the point at ``y``."""
+    return max((lane for lane in tl.lanes if lane.y - 0.5 <= y), key=lambda lane: lane.y)
+
+
 def _blocks_per_stage(fig, tl, phase):
-    """Count the blocks of one phase per pipeline stage from the figure's own data."""
-    stage_of_y = {lane.y: lane.stage for lane in tl.lanes}
+    """Count the drawn blocks of one phase per pipeline stage from the figure's own data: the
+    rectangles of the phase's filled polygon, each on the lane its centre lies in."""
     counts = {}
     for trace in fig.data:
         if trace.meta and trace.meta["phase"] == phase and trace.visible:
-            ys = np.asarray(trace.y, dtype=float)[0::4]
-            for y in ys:
-                counts[stage_of_y[y]] = counts.get(stage_of_y[y], 0) + 1
+            for _, _, y in polygon_rects(trace.x, trace.y):
+                stage = _lane_of(tl, y).stage
+                counts[stage] = counts.get(stage, 0) + 1
     return counts
 
 
@@ -160,13 +168,67 @@ def test_timeline_figure_counts_and_hover(gpipe_run):
     fig = timeline_figure(tl)
     assert _blocks_per_stage(fig, tl, "F") == {s: 4 for s in range(4)}
     assert _blocks_per_stage(fig, tl, "B") == {s: 4 for s in range(4)}
+    # the F polygon draws exactly the forward blocks: their measured start, end and lane
+    y_of = {lane.rank: lane.y for lane in tl.lanes}
+    fwd = tl.blocks[tl.blocks["phase"] == "F"]
     f = next(t for t in fig.data if t.meta["phase"] == "F")
-    assert np.isnan(np.asarray(f.x, dtype=float)[3::4]).all()  # gaps between blocks
-    assert "microbatch 2" in f.hovertext[8] and "+ 1000.000 µs" in f.hovertext[8]
+    np.testing.assert_allclose(sorted(polygon_rects(f.x, f.y)),
+                               sorted(zip(fwd["start_ms"], fwd["end_ms"], fwd["rank"].map(y_of))),
+                               atol=1e-5)
+    # every hover target lies inside one forward block and tells that block's microbatch
+    hover = next(t for t in fig.data if t.meta["phase"] == "F:hover")
+    counts = hover.meta["hover_repeat"]
+    assert len(counts) == len(fwd) and min(counts) >= HOVER_POINTS
+    assert len(hover.x) == sum(counts) == len(hover.hovertext)
+    for x, y, text in zip(hover.x, hover.y, hover.hovertext):
+        inside = fwd[(fwd["start_ms"] < x) & (x < fwd["end_ms"])
+                     & ((fwd["rank"].map(y_of) - y).abs() < 1e-4)]
+        assert len(inside) == 1, (x, y)
+        assert f"microbatch {int(inside['mb'].iloc[0])}" in text and "+ 1000.000 µs" in text
     labels = next(t for t in fig.data if t.meta["phase"] == "labels")
     assert sorted(set(labels.text)) == sorted({f"{ph}{j}" for ph in "FB" for j in range(4)})
+    assert sorted(labels.text) == sorted(labels.meta["labels"]["text"])  # all fit at full view
     ticks = dict(zip(fig.layout.yaxis.tickvals, fig.layout.yaxis.ticktext))
     assert ticks[tl.lanes[3].y] == "rank 3 · pp3"
+
+
+def test_block_polygon_fills_exactly_its_rectangles():
+    """One polygon per trace: the strokes joining the rectangles must enclose no area, so the
+    polygon's area is the rectangles' and each rectangle is found back where it was put."""
+    rng = np.random.default_rng(1)
+    x0 = rng.uniform(0, 100, 300)
+    x1 = x0 + rng.uniform(0, 3, 300)
+    y = rng.choice([0.0, 3.0, 6.6, 9.6, 12.6], 300) + 1.18
+    xs, ys = rect_polygon(x0, x1, y, 0.32)
+    assert not np.isnan(xs).any()  # no gaps: Plotly draws one path, not one per block
+    area = 0.5 * np.sum(xs * np.roll(ys, -1) - np.roll(xs, -1) * ys)  # shoelace, closed polygon
+    np.testing.assert_allclose(abs(area), np.sum((x1 - x0) * 0.32), rtol=1e-5)
+    np.testing.assert_allclose(sorted(polygon_rects(xs, ys)), sorted(zip(x0, x1, y)), atol=1e-5)
+
+
+def test_hover_targets_cover_wide_blocks():
+    """At full view every pixel of a block is within Plotly's 20 px hover radius of one of its
+    targets: three for a narrow block, one every HOVER_SPACING_PX on a wide one."""
+    x0, x1 = np.array([0.0, 10.0]), np.array([1.0, 110.0])  # 10 px and 1000 px at 10 px/ms
+    xs, ys, text, counts = hover_points(x0, x1, np.array([0.0, 3.0]), ["a", "b"], 10.0)
+    assert counts == [HOVER_POINTS, int(np.ceil(1000 / HOVER_SPACING_PX))]
+    assert text == ["a"] * counts[0] + ["b"] * counts[1] and len(xs) == len(ys) == sum(counts)
+    wide = np.sort(xs[counts[0]:])
+    assert 10.0 < wide[0] and wide[-1] < 110.0 and (ys[counts[0]:] == 3.0).all()
+    gaps_px = 10 * np.diff(np.r_[10.0, wide, 110.0])
+    assert gaps_px.max() <= 2 * 20 and gaps_px[1:-1].max() <= HOVER_SPACING_PX
+
+
+def test_labels_only_where_readable():
+    x, y, text, w = [1.0, 5.0, 9.0], [0.0, 0.0, 3.0], ["F0", "F10", "B1.1"], [2.0, 0.1, 2.0]
+    # 100 px per ms: F10 in a 10 px block does not fit, the others do
+    assert fitting_labels(x, y, text, w, px_per_ms=100, row_px=20) == [0, 2]
+    assert fitting_labels(x, y, text, w, px_per_ms=100, row_px=20, x_range=(0, 6)) == [0]
+    assert fitting_labels(x, y, text, w, px_per_ms=100, row_px=20, y_range=(2, 4)) == [2]
+    assert fitting_labels(x, y, text, w, px_per_ms=100, row_px=8) == []  # font too small
+    many = MAX_LABELS_IN_VIEW + 1
+    assert fitting_labels([1.0] * many, [0.0] * many, ["F0"] * many, [1.0] * many,
+                          px_per_ms=100, row_px=20) == []  # zoom in to see them
 
 
 def test_hostile_names_are_escaped(tmp_path):
@@ -179,7 +241,7 @@ def test_hostile_names_are_escaped(tmp_path):
     html = render_html(run, synthetic_report(run.layout), {"timeline": fig})
     # plotly.js, the figure's JSON block and the loader: data cannot close a script element
     assert html.count("</script>") == 3
-    assert "<img/src" not in html and "<b>9</b>" not in html
+    assert "<img/src" not in html and "<b>9</b>" not in html and "<script>alert" not in html
     assert esc("a<b>&c") == "a&lt;b&gt;&amp;c"
 
 
@@ -219,6 +281,15 @@ def test_report_views_show_report_values():
     assert z.shape == (8, 8) and z[1, 2] == 512 and np.isnan(z[2, 1])
     bubble = bubble_figure(report)
     np.testing.assert_allclose(bubble.data[0].y, [40.0, 39.0, 38.0, 37.0])
+    # with the split: schedule part + latency part stacked on one bar, beside the theory
+    for s in report["pipeline"]["stages"]:
+        s.update(step_s=0.02, bubble_latency_s=0.002)
+    split = bubble_figure(report)
+    assert [t.name for t in split.data] == ["measured: schedule", "measured: p2p latency + host gaps",
+                                           "theory (from measured t_f, t_b)"]
+    np.testing.assert_allclose(split.data[1].y, [10.0] * 4)
+    np.testing.assert_allclose(np.add(split.data[0].y, split.data[1].y), [40.0, 39.0, 38.0, 37.0])
+    np.testing.assert_allclose(split.data[1].base, split.data[0].y)
     comm = comm_figure(report)
     dp = list(comm.data[1].x).index("dp")
     np.testing.assert_allclose(comm.data[1].y[dp], 1000 * np.mean([0.0001 * (r + 1) for r in range(8)]))
@@ -227,6 +298,21 @@ def test_report_views_show_report_values():
     assert "no collective" in collectives_figure(report).layout.annotations[0].text
     report["collectives"] = [{"dim": "dp", "op": "all_reduce", "wait_s": 0.002, "transfer_s": 0.001}]
     np.testing.assert_allclose(collectives_figure(report).data[0].y, [2.0])
+
+
+def test_page_carries_hover_text_once_per_block(gpipe_run):
+    """The loader repeats each block's text on its hover points; the page holds it once."""
+    fig = timeline_figure(build_timeline(gpipe_run.events, gpipe_run.layout))
+    html = render_html(gpipe_run, synthetic_report(gpipe_run.layout), {"timeline": fig})
+    packed = json.loads(re.search(r'id="data-fig-timeline">(.*?)</script>', html, re.S).group(1))
+    for trace, sent in zip(fig.data, packed["data"]):
+        if trace.meta["phase"].endswith(":hover"):
+            counts = sent["meta"]["hover_repeat"]
+            assert sent["meta"]["hover_packed"] and counts == trace.meta["hover_repeat"]
+            assert len(sent["hovertext"]) == len(counts) < len(trace.hovertext)
+            assert [h for h, k in zip(sent["hovertext"], counts) for _ in range(k)] == list(trace.hovertext)
+        else:
+            assert sent.get("hovertext") == (list(trace.hovertext) if trace.hovertext else None)
 
 
 def test_write_dashboard_is_self_contained(gpipe_run, tmp_path):
@@ -278,9 +364,11 @@ def test_replay_figure_puts_measured_and_replayed_passes_side_by_side(gpipe_run)
     fig = replay_figure(report, result)
     lanes = {}
     for trace in fig.data:
+        if trace.meta["phase"].endswith(":hover"):
+            continue
         phase = trace.name.split()[0]
-        for y in np.asarray(trace.y, dtype=float)[0::4]:
-            lanes.setdefault(int(y), Counter())[phase] += 1
+        for _, _, y in polygon_rects(trace.x, trace.y):
+            lanes.setdefault(int(round(y)), Counter())[phase] += 1
     # every stage x (measured, replayed), each lane with every microbatch's forward and backward
     m, p = report["run"]["microbatches"], gpipe_run.layout.pp
     assert sorted(lanes) == list(range(2 * p))
