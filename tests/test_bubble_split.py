@@ -68,7 +68,7 @@ def _run(tmp_path, schedule: str, v: int, latency_us: int):
     partitions = partition_run(view)
     latency = bubble_split(view, partitions, pairs, instances(view))
     stages, _ = pipeline_stages(view, partitions, latency)
-    return stages, timeline
+    return stages, timeline, pairs
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
@@ -81,16 +81,18 @@ def test_partition_matches_the_simulated_schedule(tmp_path, schedule, v, latency
     of the exchange had both sides posted) and bubble (the rest of the step), to the µs. In
     a combined exchange an early-matched message does not make the wait for the others
     transfer."""
-    stages, timeline = _run(tmp_path, schedule, v, latency_us)
+    stages, timeline, pairs = _run(tmp_path, schedule, v, latency_us)
     truth = timeline.stages.set_index("stage")
     for s in stages.itertuples():
         assert round(s.bubble_s * 1e6) == round(truth.loc[s.stage, "bubble_s"] * 1e6), s.stage
+    # every message moved for exactly the latency, however long its exchange waited for others
+    assert set(np.round(pairs["transfer_ns"] / 1000).astype(int)) == {latency_us}
 
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
 @pytest.mark.parametrize("latency_us", [0, 500, 2000])
 def test_schedule_bubble_is_the_closed_form_whatever_the_latency(tmp_path, schedule, v, latency_us):
-    stages, timeline = _run(tmp_path, schedule, v, latency_us)
+    stages, timeline, _ = _run(tmp_path, schedule, v, latency_us)
     theory_us = balanced_theory_bubble(schedule, P, v, T_F + T_B, T_W if schedule == "zb-h1" else 0)
     makespan_us = round(timeline.makespan_s * 1e6)
     assert (makespan_us == M * (T_F + T_B) + theory_us) == (latency_us == 0)

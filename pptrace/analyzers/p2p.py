@@ -90,15 +90,49 @@ def _moving(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return t0, np.maximum(t1, t0)
 
 
+_UNMATCHED = np.iinfo(np.int64).min
+
+
+def _ready(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(send side, recv side): when each pair's message lets the exchange holding that range
+    move on: once both sides posted — for a send the transport buffered (done before its recv
+    was posted), at once: it holds nothing up."""
+    send_start, send_end = pairs["send_start_ns"].to_numpy(), pairs["send_end_ns"].to_numpy()
+    recv_start = pairs["recv_start_ns"].to_numpy()
+    both = np.maximum(send_start, recv_start)
+    return np.where(send_end <= recv_start, send_start, both).astype(np.int64), both.astype(np.int64)
+
+
+def _exchanges(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ready: np.ndarray) -> np.ndarray:
+    """Per range, the latest ``ready`` of its exchange: the ranges of one rank that overlap
+    (one combined op posts several messages and waits for all of them)."""
+    last = np.empty(len(rank), dtype=np.int64)
+    for r in np.unique(rank):
+        mine = np.flatnonzero(rank == r)
+        mine = mine[np.lexsort((-end[mine], start[mine]))]
+        s, e = start[mine], end[mine]
+        first = np.flatnonzero(np.r_[True, s[1:] >= np.maximum.accumulate(e)[:-1]])
+        group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(s)]))
+        last[mine] = np.maximum.reduceat(ready[mine], first)[group]
+    return last
+
+
 def _with_wait_transfer(pairs: pd.DataFrame) -> pd.DataFrame:
     """wait_ns: how long the recv was posted before the send; transfer_ns: how long the data
-    moved (see _moving)."""
+    moved: from both posted (see _moving) to the first side done, but not before the
+    exchange of that first side had all its messages matched — until then it was waiting
+    for another message (split_by_rank), and its end says nothing about this one before."""
     t0, t1 = _moving(pairs)
+    n = len(pairs)
+    ready_send, ready_recv = _ready(pairs)
+    last = _exchanges(np.concatenate([pairs["src"].to_numpy(), pairs["dst"].to_numpy()]).astype(np.int64),
+                      np.concatenate([pairs["send_start_ns"].to_numpy(), pairs["recv_start_ns"].to_numpy()]).astype(np.int64),
+                      np.concatenate([pairs["send_end_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy()]).astype(np.int64),
+                      np.concatenate([ready_send, ready_recv])) if n else np.empty(0, dtype=np.int64)
+    send_first = pairs["send_end_ns"].to_numpy() == t1
+    side = np.where(send_first, last[:n], last[n:]) if n else last
     return pairs.assign(wait_ns=np.maximum(pairs["send_start_ns"] - pairs["recv_start_ns"], 0).to_numpy(),
-                        transfer_ns=t1 - t0)
-
-
-_UNMATCHED = np.iinfo(np.int64).min
+                        transfer_ns=np.maximum(t1 - np.maximum(t0, side), 0))
 
 
 def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:
@@ -115,32 +149,23 @@ def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:
     matched peer cannot be split and count as transfer (without the peer nothing shows
     that it was waiting)."""
     t0, t1 = _moving(pairs)
-    send_start, send_end = pairs["send_start_ns"].to_numpy(), pairs["send_end_ns"].to_numpy()
-    recv_start, recv_end = pairs["recv_start_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy()
-    both_posted = np.maximum(send_start, recv_start)
-    n_free = len(unmatched)
+    ready_send, ready_recv = _ready(pairs)
     free_start, free_end = unmatched["start_ns"].to_numpy(), unmatched["end_ns"].to_numpy()
     rank = np.concatenate([pairs["src"].to_numpy(), pairs["dst"].to_numpy(), unmatched["rank"].to_numpy()]).astype(np.int64)
-    start = np.concatenate([send_start, recv_start, free_start]).astype(np.int64)
-    end = np.concatenate([send_end, recv_end, free_end]).astype(np.int64)
-    # when each range's message lets its exchange move on; unmatched ranges do not say
-    ready = np.concatenate([np.where(send_end <= recv_start, send_start, both_posted), both_posted,
-                            np.full(n_free, _UNMATCHED)]).astype(np.int64)
+    start = np.concatenate([pairs["send_start_ns"].to_numpy(), pairs["recv_start_ns"].to_numpy(), free_start]).astype(np.int64)
+    end = np.concatenate([pairs["send_end_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy(), free_end]).astype(np.int64)
+    ready = np.concatenate([ready_send, ready_recv, np.full(len(unmatched), _UNMATCHED, dtype=np.int64)])
     move0 = np.concatenate([t0, t0, free_start]).astype(np.int64)
     move1 = np.concatenate([t1, t1, free_end]).astype(np.int64)
+    last = _exchanges(rank, start, end, ready)
+    a = np.clip(np.maximum(move0, last), start, end)
+    b = np.clip(move1, start, end)
     out = {}
     for r in np.unique(rank):
-        mine = np.flatnonzero(rank == r)
-        mine = mine[np.lexsort((-end[mine], start[mine]))]
-        s, e = start[mine], end[mine]
-        # exchanges: runs of ranges that overlap the running end of the ranges before them
-        first = np.flatnonzero(np.r_[True, s[1:] >= np.maximum.accumulate(e)[:-1]])
-        group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(s)]))
-        last_ready = np.maximum.reduceat(ready[mine], first)[group]
-        a = np.clip(np.maximum(move0[mine], last_ready), s, e)
-        b = np.clip(move1[mine], s, e)
-        transfer = union(a[b > a], b[b > a])
-        out[int(r)] = (union(s, e) - transfer, transfer)
+        mine = rank == r
+        moving = mine & (b > a)
+        transfer = union(a[moving], b[moving])
+        out[int(r)] = (union(start[mine], end[mine]) - transfer, transfer)
     return out
 
 
