@@ -358,7 +358,12 @@ def test_worker_count_keeps_memory_below_the_traces(monkeypatch):
     mb = 1 << 20
     assert load._worker_count(None, [47 * mb] * 8) == 1  # bench_load's run: parse in-process
     assert load._worker_count(None, [1 * mb] * 4) == 1  # too little to pay for a pool
-    assert 1 < load._worker_count(None, [10 * mb] * 64) <= 8
+    # 64 x 10 MB: as many workers as fit beside the parent's table, not one more
+    sizes = [10 * mb] * 64
+    n, total = load._worker_count(None, sizes), sum(sizes)
+    parent = load._PROCESS_BYTES + load._TABLE_BYTES_PER_TRACE_BYTE * total
+    per_worker = load._WORKER_BYTES_PER_TRACE_BYTE * max(sizes)
+    assert n == 7 and parent + n * per_worker <= total < parent + (n + 1) * per_worker
     assert load._worker_count(None, [47 * mb] * 64) == 8
     assert load._worker_count(3, [47 * mb] * 8) == 3
     assert load._worker_count(3, [47 * mb] * 2) == 2
