@@ -93,14 +93,19 @@ def _moving(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 _UNMATCHED = np.iinfo(np.int64).min
 
 
-def _ready(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """(send side, recv side): when each pair's message lets the exchange holding that range
-    move on: once both sides posted — for a send the transport buffered (done before its recv
-    was posted), at once: it holds nothing up."""
+def _sides(pairs: pd.DataFrame) -> tuple[np.ndarray, ...]:
+    """(rank, start, end, ready) of every pair's send range, then of every recv range.
+    ``ready``: when the message lets the exchange holding that range move on — once both
+    sides posted; for a send the transport buffered (done before its recv was posted), at
+    once: it holds nothing up."""
     send_start, send_end = pairs["send_start_ns"].to_numpy(), pairs["send_end_ns"].to_numpy()
-    recv_start = pairs["recv_start_ns"].to_numpy()
+    recv_start, recv_end = pairs["recv_start_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy()
     both = np.maximum(send_start, recv_start)
-    return np.where(send_end <= recv_start, send_start, both).astype(np.int64), both.astype(np.int64)
+    both_sides = (
+        (pairs["src"].to_numpy(), pairs["dst"].to_numpy()), (send_start, recv_start), (send_end, recv_end),
+        (np.where(send_end <= recv_start, send_start, both), both),
+    )
+    return tuple(np.concatenate(sides).astype(np.int64) for sides in both_sides)
 
 
 def _exchanges(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ready: np.ndarray) -> np.ndarray:
@@ -124,13 +129,8 @@ def _with_wait_transfer(pairs: pd.DataFrame) -> pd.DataFrame:
     for another message (split_by_rank), and its end says nothing about this one before."""
     t0, t1 = _moving(pairs)
     n = len(pairs)
-    ready_send, ready_recv = _ready(pairs)
-    last = _exchanges(np.concatenate([pairs["src"].to_numpy(), pairs["dst"].to_numpy()]).astype(np.int64),
-                      np.concatenate([pairs["send_start_ns"].to_numpy(), pairs["recv_start_ns"].to_numpy()]).astype(np.int64),
-                      np.concatenate([pairs["send_end_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy()]).astype(np.int64),
-                      np.concatenate([ready_send, ready_recv])) if n else np.empty(0, dtype=np.int64)
-    send_first = pairs["send_end_ns"].to_numpy() == t1
-    side = np.where(send_first, last[:n], last[n:]) if n else last
+    last = _exchanges(*_sides(pairs))
+    side = np.where(pairs["send_end_ns"].to_numpy() == t1, last[:n], last[n:])
     return pairs.assign(wait_ns=np.maximum(pairs["send_start_ns"] - pairs["recv_start_ns"], 0).to_numpy(),
                         transfer_ns=np.maximum(t1 - np.maximum(t0, side), 0))
 
@@ -149,12 +149,9 @@ def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:
     matched peer cannot be split and count as transfer (without the peer nothing shows
     that it was waiting)."""
     t0, t1 = _moving(pairs)
-    ready_send, ready_recv = _ready(pairs)
     free_start, free_end = unmatched["start_ns"].to_numpy(), unmatched["end_ns"].to_numpy()
-    rank = np.concatenate([pairs["src"].to_numpy(), pairs["dst"].to_numpy(), unmatched["rank"].to_numpy()]).astype(np.int64)
-    start = np.concatenate([pairs["send_start_ns"].to_numpy(), pairs["recv_start_ns"].to_numpy(), free_start]).astype(np.int64)
-    end = np.concatenate([pairs["send_end_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy(), free_end]).astype(np.int64)
-    ready = np.concatenate([ready_send, ready_recv, np.full(len(unmatched), _UNMATCHED, dtype=np.int64)])
+    free = (unmatched["rank"].to_numpy(), free_start, free_end, np.full(len(unmatched), _UNMATCHED))
+    rank, start, end, ready = (np.concatenate([side, f]).astype(np.int64) for side, f in zip(_sides(pairs), free))
     move0 = np.concatenate([t0, t0, free_start]).astype(np.int64)
     move1 = np.concatenate([t1, t1, free_end]).astype(np.int64)
     last = _exchanges(rank, start, end, ready)
