@@ -58,7 +58,9 @@ class TrainConfig:
     cp_overlap: bool = True
     schedule: str = "1f1b"
     vpp: int = 1
-    overlap_p2p_comm: bool = False  # Megatron's overlap_p2p_comm (interleaved only)
+    # Megatron's overlap_p2p_comm. None: what Megatron's training scripts do, on for the
+    # interleaved schedule (--no-overlap-p2p-communication turns it off), off for the others.
+    overlap_p2p_comm: bool | None = None
     microbatches: int = 4
     micro_batch_size: int = 1
     layers: int = 4
@@ -141,6 +143,8 @@ class TrainConfig:
             )
 
     def _check_schedule(self) -> None:
+        if self.overlap_p2p_comm is None:
+            object.__setattr__(self, "overlap_p2p_comm", self.schedule == "interleaved")  # frozen
         if self.schedule == "interleaved":
             if self.pp < 2 or self.vpp < 2:
                 raise ValueError(
@@ -189,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-cp-overlap", dest="cp_overlap", action="store_false")
     ap.add_argument("--schedule", default=d.schedule, choices=SCHEDULES)
     ap.add_argument("--vpp", type=int, default=d.vpp, help="virtual chunks per stage (interleaved)")
-    ap.add_argument("--overlap-p2p-comm", action="store_true",
-                    help="interleaved: post each exchange after its pass, wait right before use (Megatron's overlap_p2p_comm)")
+    ap.add_argument("--overlap-p2p-comm", action=argparse.BooleanOptionalAction, default=None,
+                    help="interleaved: post each exchange after its pass and wait right before use (Megatron's "
+                         "overlap_p2p_comm, on by default there as in Megatron's training scripts); "
+                         "--no-overlap-p2p-comm runs Megatron's blocking four-way exchanges")
     ap.add_argument("--microbatches", type=int, default=d.microbatches)
     ap.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     for name in ("layers", "hidden", "heads", "seq_len", "vocab_size", "steps", "seed"):

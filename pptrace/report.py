@@ -194,7 +194,7 @@ def build_report(run, steps=None, ranks=None) -> dict:
     gpu = gpu_timeline(view.events, set(view.steps) if view.steps else None)
     n_steps = max(len(view.steps), 1)
     inst = instances(view)
-    stages, pipe = pipeline_stages(view, partitions, bubble_split(view, partitions, pairs, inst))
+    stages, pipe = pipeline_stages(view, partitions, bubble_split(view, partitions, pairs))
     sel_pairs = pairs[pairs["step"].isin(list(view.steps))] if view.steps else pairs
     if view.steps and inst is not None and len(inst):
         inst = inst[inst["step"].isin(list(view.steps))]

@@ -51,12 +51,15 @@ class Msg:
 @dataclass(frozen=True)
 class Op:
     """One entry of a stage program: a compute pass ("F", "B", "W"), an exchange ("comm":
-    post and wait), or an exchange split in two ("post" ... "wait") with work in between."""
+    post and wait), or an exchange split in two ("post" ... "wait") with work in between;
+    ``handle`` names which open exchange a "wait" completes (overlap_p2p_comm keeps a
+    forward and a backward one open at once)."""
 
     kind: str
     mb: int = -1
     chunk: int = 0
     msgs: tuple = ()
+    handle: str = ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,9 +128,11 @@ def _program_flat(schedule: str, p: int, r: int, m: int) -> list[Op]:
     return prog
 
 
-def _program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
+def _program_interleaved(p: int, r: int, m: int, v: int, overlap_p2p_comm: bool = False) -> list[Op]:
     """Megatron's interleaved schedule as ``schedules_interleaved.py`` posts it: one combined
-    exchange after every pass, activations travelling the ring p-1 -> 0 between chunks."""
+    exchange after every pass, activations travelling the ring p-1 -> 0 between chunks; or,
+    with ``overlap_p2p_comm``, a forward and a backward exchange posted after their passes and
+    waited right before the tensor they bring is used."""
     total = m * v
     warmup = num_warmup_microbatches("interleaved", p, r, m, v)
     fwd, bwd = interleaved_forward_order(p, m, v), interleaved_backward_order(p, m, v)
@@ -153,6 +158,8 @@ def _program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
     def bwd_recv(k):
         return None if k >= total or last_virtual(bwd[k][1]) else Msg("bwd", False, nxt, r, *bwd[k])
 
+    if overlap_p2p_comm:
+        return _comm(fwd_recv(0)) + _overlapped(warmup, total, fwd, bwd, fwd_send, bwd_send, fwd_recv, bwd_recv)
     prog = _comm(fwd_recv(0))
     for k in range(warmup):
         prog.append(Op("F", *fwd[k]))
@@ -172,11 +179,53 @@ def _program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
     return prog
 
 
-def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1) -> list[Op]:
-    """The ops stage r runs in one step; its compute ops equal ``schedule_table``."""
+def _overlapped(warmup, total, fwd, bwd, fwd_send, bwd_send, fwd_recv, bwd_recv) -> list[Op]:
+    prog: list[Op] = []
+    open_handles: set = set()
+
+    def post(handle, *msgs):
+        msgs = tuple(msg for msg in msgs if msg is not None)
+        if msgs:
+            prog.append(Op("post", msgs=msgs, handle=handle))
+            open_handles.add(handle)
+
+    def wait(handle):
+        if handle in open_handles:
+            prog.append(Op("wait", handle=handle))
+            open_handles.discard(handle)
+
+    for k in range(warmup):
+        wait("fwd")
+        prog.append(Op("F", *fwd[k]))
+        post("fwd", fwd_send(k), fwd_recv(k + 1))
+        if k == warmup - 1 and warmup < total:
+            post("bwd", bwd_recv(0))
+    if warmup == total:
+        wait("fwd")
+        post("bwd", bwd_recv(0))
+    for k in range(total - warmup):
+        wait("fwd")
+        prog.append(Op("F", *fwd[k + warmup]))
+        post("fwd", fwd_send(k + warmup), fwd_recv(k + warmup + 1))
+        wait("bwd")
+        prog.append(Op("B", *bwd[k]))
+        post("bwd", bwd_send(k), bwd_recv(k + 1))
+    wait("fwd")
+    for k in range(total - warmup, total):
+        wait("bwd")
+        prog.append(Op("B", *bwd[k]))
+        post("bwd", bwd_send(k), bwd_recv(k + 1))
+    wait("bwd")
+    return prog
+
+
+def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1, overlap_p2p_comm: bool = False) -> list[Op]:
+    """The ops stage r runs in one step; its compute ops equal ``schedule_table``.
+    ``overlap_p2p_comm``: Megatron's option for the interleaved schedule (its training
+    scripts' default there), as ``schedules_interleaved._run_overlapped`` posts it."""
     schedule_table(schedule, p, r, m, v)  # validates the arguments with the trainer's rules
     if schedule == "interleaved" and p > 1:
-        return _program_interleaved(p, r, m, v)
+        return _program_interleaved(p, r, m, v, overlap_p2p_comm)
     return _program_flat("1f1b" if schedule == "interleaved" else schedule, p, r, m)
 
 
@@ -287,7 +336,7 @@ def _latency_model(times: PipelineTimes, rng):
 
 
 def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "rendezvous",
-             rng: np.random.Generator | None = None) -> Timeline:
+             rng: np.random.Generator | None = None, overlap_p2p_comm: bool = False) -> Timeline:
     """Run every stage's program against the others; raises ValueError on a deadlock (a
     program set that could not run in the trainer either). With ``rng`` and
     ``times.latency_samples``, message latencies are drawn (one replication)."""
@@ -296,12 +345,12 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
     if sends not in SEND_MODES:
         raise ValueError(f"sends={sends!r} is not one of {SEND_MODES}")
     p, m, v = times.p, times.m, vpp
-    programs = [stage_program(schedule, p, r, m, v) for r in range(p)]
+    programs = [stage_program(schedule, p, r, m, v, overlap_p2p_comm) for r in range(p)]
     split_w = schedule == "zb-h1"
     latency = _latency_model(times, rng)
     pos, clock = [0] * p, [0.0] * p
     posted: dict[tuple, float] = {}  # (message key, is_send) -> post time
-    pending: dict[int, tuple] = {}  # stage -> (messages, post time) of its open exchange
+    pending: dict[tuple, tuple] = {}  # (stage, handle) -> (messages, post time) of an open exchange
     rows = []
     while any(pos[s] < len(programs[s]) for s in range(p)):
         moved = False
@@ -313,15 +362,15 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
                     end = start + _duration(op, times, s, split_w, v)
                     rows.append((s, op.kind, op.mb, op.chunk, start, end, 0.0))
                 else:
-                    if op.kind in ("comm", "post") and s not in pending:
-                        pending[s] = (op.msgs, start)
+                    if op.kind in ("comm", "post") and (s, op.handle) not in pending:
+                        pending[(s, op.handle)] = (op.msgs, start)
                         for msg in op.msgs:
                             posted.setdefault((msg.key, msg.is_send), start)
                     if op.kind == "post":
                         pos[s] += 1
                         moved = True
                         continue
-                    msgs, t_post = pending[s]
+                    msgs, t_post = pending[(s, op.handle)]
                     partner = [posted.get((msg.key, not msg.is_send)) for msg in msgs]
                     if sends == "eager":  # sends never wait for the receiver
                         partner = [t_post if msg.is_send else t for t, msg in zip(partner, msgs)]
@@ -331,7 +380,7 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
                     # Moving data = the blocked part after both sides were there; the rest was waiting.
                     last_match = max(max(t_post, t) for t in partner)
                     rows.append((s, "comm", -1, 0, t_post, end, max(0.0, end - max(start, last_match))))
-                    del pending[s]
+                    del pending[(s, op.handle)]
                 clock[s] = end + times.overhead_s
                 pos[s] += 1
                 moved = True

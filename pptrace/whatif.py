@@ -41,6 +41,7 @@ class Measured:
     split_backward: bool  # the run traced B and W separately (ZB-H1)
     wgrad_fraction: float | None  # W / (B + W) from the run's metadata (sleep mode), if any
     notes: list = field(default_factory=list)
+    overlap_p2p_comm: bool = False  # the run's interleaved exchanges were Megatron's overlapped ones
 
 
 def _main_events(run) -> pd.DataFrame:
@@ -152,6 +153,16 @@ def _wgrad_fraction(run) -> float | None:
     return None
 
 
+def _overlap_p2p_comm(run) -> bool:
+    """Whether the run used Megatron's overlap_p2p_comm, from the trainer's config in the
+    pptrace block; runs that do not say are replayed with blocking exchanges."""
+    for meta in run.meta.values():
+        config = (meta.get("pptrace") or {}).get("config") or {}
+        if isinstance(config.get("overlap_p2p_comm"), bool):
+            return config["overlap_p2p_comm"]
+    return False
+
+
 def measure(run) -> Measured:
     """Durations, latencies and the measured step of a run (medians over its profiled steps)."""
     if not run.schedule or not run.microbatches:
@@ -190,6 +201,7 @@ def measure(run) -> Measured:
         schedule=run.schedule, vpp=v, times=times, step_time_s=step_time,
         window_s=float(window.median()) / 1e9, fixed_s=max(fixed, 0.0),
         split_backward=split, wgrad_fraction=_wgrad_fraction(run), notes=notes,
+        overlap_p2p_comm=run.schedule == "interleaved" and _overlap_p2p_comm(run),
     )
 
 
@@ -259,13 +271,13 @@ def _ops(timeline: Timeline) -> dict:
     return {"columns": cols, "rows": timeline.ops[cols].to_numpy().tolist()}
 
 
-def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int) -> Timeline:
+def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int, overlap: bool) -> Timeline:
     """The median-makespan timeline of n simulations with drawn latencies (one if nothing
     is random)."""
     if times.latency_samples is None or n <= 1:
-        return simulate(schedule, times, v, sends=sends)
+        return simulate(schedule, times, v, sends=sends, overlap_p2p_comm=overlap)
     rng = np.random.default_rng(SEED)
-    runs = sorted((simulate(schedule, times, v, sends=sends, rng=rng) for _ in range(n)),
+    runs = sorted((simulate(schedule, times, v, sends=sends, rng=rng, overlap_p2p_comm=overlap) for _ in range(n)),
                   key=lambda t: t.makespan_s)
     return runs[len(runs) // 2]
 
@@ -285,7 +297,7 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
     times, notes = measured.times, list(measured.notes)
     target, v, m = _target(measured, times.m, schedule, vpp, microbatches)
 
-    replay = _replicated(measured.schedule, times, measured.vpp, sends, replications)
+    replay = _replicated(measured.schedule, times, measured.vpp, sends, replications, measured.overlap_p2p_comm)
     replay_step = replay.makespan_s + measured.fixed_s
 
     straggler = None
@@ -297,13 +309,15 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
     times = _for_schedule(measured, times, target, wgrad_fraction, notes)
     if measured.split_backward and target != "zb-h1":
         notes.append("B and W measured separately run back to back as one backward in this schedule")
-    predicted = _replicated(target, times, v, sends, replications)
+    # a schedule the run did not use runs as Megatron's training scripts run it by default
+    overlap = measured.overlap_p2p_comm if target == measured.schedule else target == "interleaved"
+    predicted = _replicated(target, times, v, sends, replications, overlap)
     predicted_step = predicted.makespan_s + measured.fixed_s
     return {
         "schema": SCHEMA,
         "measured": {
             "schedule": measured.schedule, "pp": times.p, "microbatches": measured.times.m,
-            "vpp": measured.vpp, "step_time_s": measured.step_time_s,
+            "vpp": measured.vpp, "overlap_p2p_comm": measured.overlap_p2p_comm, "step_time_s": measured.step_time_s,
             "window_s": measured.window_s, "fixed_s": measured.fixed_s, "steps": list(run.steps),
         },
         "model": {
@@ -319,7 +333,7 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
             "error_fraction": replay_step / measured.step_time_s - 1 if measured.step_time_s else None,
         },
         "predicted": {
-            "schedule": target, "microbatches": m, "vpp": v,
+            "schedule": target, "microbatches": m, "vpp": v, "overlap_p2p_comm": overlap,
             "no_straggler": bool(no_straggler), "straggler_stage": straggler,
             "p2p_free": bool(p2p_free),
             "step_time_s": predicted_step, "window_s": predicted.makespan_s,

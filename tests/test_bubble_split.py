@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from pptrace.analyzers.breakdown import partition_run
-from pptrace.analyzers.collectives import instances
 from pptrace.analyzers.p2p import match_pairs
 from pptrace.analyzers.pipeline import balanced_theory_bubble, bubble_split, pipeline_stages
 from pptrace.simulate import PipelineTimes, simulate, stage_program
@@ -31,47 +30,51 @@ def _msg_name(msg) -> str:
     return f"pp:{op} peer={peer} mb={msg.mb}"
 
 
-def _ranges(schedule: str, stage: int, v: int, timeline) -> list:
+def _ranges(schedule: str, stage: int, v: int, timeline, overlap: bool = False) -> list:
     """The stage's ranges in µs: its passes and, per exchange, one range per message from
-    posting to completion (the trainer's regions), W passes of ZB-H1 nested inside."""
+    posting to completion (the trainer's regions), passes run between posting and waiting
+    (ZB-H1's W's, overlap_p2p_comm) nested inside."""
     chunked = (lambda name, chunk: f"{name} chunk={chunk}") if v > 1 else (lambda name, chunk: name)
     rows = timeline.ops[timeline.ops["stage"] == stage].itertuples()
     names = {"F": "compute:fwd", "B": "compute:bwd_input" if schedule == "zb-h1" else "compute:bwd",
              "W": "compute:bwd_weight"}
-    out, posted, at = [], (), 0
-    for op in stage_program(schedule, P, stage, M, v):
-        if op.kind == "post":  # its ranges open here; the W's that follow nest inside them
-            posted, at = op.msgs, len(out)
+    out, posted = [], {}  # handle -> (messages, where their ranges go in ``out``)
+    for op in stage_program(schedule, P, stage, M, v, overlap):
+        if op.kind == "post":  # its ranges open here; the passes that follow nest inside them
+            posted[op.handle] = (op.msgs, len(out))
             continue
         row = next(rows)
         start, end = round(row.start_s * 1e6), round(row.end_s * 1e6)
         if op.kind in names:
             out.append((chunked(f"{names[op.kind]} mb={op.mb}", op.chunk), start, end))
         else:
-            msgs = [(chunked(_msg_name(msg), msg.chunk), start, end) for msg in op.msgs or posted]
-            at = len(out) if op.msgs else at
-            out[at:at] = msgs
+            msgs, at = (op.msgs, len(out)) if op.kind == "comm" else posted.pop(op.handle)
+            out[at:at] = [(chunked(_msg_name(msg), msg.chunk), start, end) for msg in msgs]
+            for handle, (other, where) in posted.items():  # still-open ranges sit after them
+                posted[handle] = (other, where + len(msgs) if where >= at else where)
     return out
 
 
 def _run(tmp_path, schedule: str, v: int, latency_us: int):
+    overlap = schedule == "interleaved-overlap"
+    schedule = "interleaved" if overlap else schedule
     wgrad = T_W if schedule == "zb-h1" else 0
     times = PipelineTimes.uniform(P, M, T_F / 1e6, (T_B - wgrad) / 1e6, wgrad / 1e6, latency_s=latency_us / 1e6)
-    timeline = simulate(schedule, times, vpp=v)
+    timeline = simulate(schedule, times, vpp=v, overlap_p2p_comm=overlap)
     end = round(timeline.makespan_s * 1e6) + 10
     layout = Layout(pp=P)
-    traces = {s: _trace(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline)], layout=layout)
+    traces = {s: _trace(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline, overlap)], layout=layout)
               for s in range(P)}
     view = _view(tmp_path, traces, layout, schedule=schedule, microbatches=M, vpp=v)
     pairs, unmatched = match_pairs(view)
     assert unmatched.empty
     partitions = partition_run(view)
-    latency = bubble_split(view, partitions, pairs, instances(view))
+    latency = bubble_split(view, partitions, pairs)
     stages, _ = pipeline_stages(view, partitions, latency)
     return stages, timeline, pairs
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved-overlap", 2)]
 
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
@@ -86,14 +89,21 @@ def test_partition_matches_the_simulated_schedule(tmp_path, schedule, v, latency
     for s in stages.itertuples():
         assert round(s.bubble_s * 1e6) == round(truth.loc[s.stage, "bubble_s"] * 1e6), s.stage
     # every message moved for exactly the latency, however long its exchange waited for others
-    assert set(np.round(pairs["transfer_ns"] / 1000).astype(int)) == {latency_us}
+    transfer_us = np.round(pairs["transfer_ns"] / 1000).astype(int)
+    if schedule != "interleaved-overlap":
+        assert set(transfer_us) == {latency_us}
+    else:
+        # A range ends when its rank waits for it, after the pass run meanwhile: the message
+        # may have landed during that pass, so its transfer is known only up to the pass's end
+        # (the stage's partition above is exact: the pass counts as compute).
+        assert transfer_us.min() == latency_us and (transfer_us <= latency_us + T_B // 2).all()
 
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
 @pytest.mark.parametrize("latency_us", [0, 500, 2000])
 def test_schedule_bubble_is_the_closed_form_whatever_the_latency(tmp_path, schedule, v, latency_us):
     stages, timeline, _ = _run(tmp_path, schedule, v, latency_us)
-    theory_us = balanced_theory_bubble(schedule, P, v, T_F + T_B, T_W if schedule == "zb-h1" else 0)
+    theory_us = balanced_theory_bubble(schedule.removesuffix("-overlap"), P, v, T_F + T_B, T_W if schedule == "zb-h1" else 0)
     makespan_us = round(timeline.makespan_s * 1e6)
     assert (makespan_us == M * (T_F + T_B) + theory_us) == (latency_us == 0)
     for s in stages.itertuples():
@@ -101,11 +111,9 @@ def test_schedule_bubble_is_the_closed_form_whatever_the_latency(tmp_path, sched
         assert schedule_part + latency_part == bubble
         if latency_us == 0:
             assert latency_part == 0 and bubble == theory_us
-        elif schedule == "zb-h1":
-            # Delayed by latency, some of ZB-H1's W passes (placed to fill the bubble) land on
-            # the critical path, so latency costs a little more than the path's own p2p time.
-            assert theory_us <= schedule_part <= theory_us + 2 * latency_us, s.stage
         else:
+            # ZB-H1 too: delayed by latency, some W passes (placed to fill a latency-free
+            # bubble) hold up a late message; the replay puts them back, so that is latency.
             # A stage whose own transfers exceed the latency on the critical path moved data
             # in part of its schedule slack: that part is transfer, not bubble.
             assert schedule_part == min(bubble, theory_us), s.stage

@@ -70,10 +70,13 @@ def sleep_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("sleep")
     return {
         "1f1b": _train(base / "1f1b", [*SLEEP, "--bwd-ms", "20"]),
-        "interleaved": _train(base / "interleaved", [*SLEEP, "--bwd-ms", "20", "--schedule", "interleaved", "--vpp", "2"]),
-        # Megatron's overlap_p2p_comm: same passes and messages, exchanges split and waited late.
+        # Megatron's blocking four-way exchanges (--no-overlap-p2p-communication)
+        "interleaved": _train(base / "interleaved", [*SLEEP, "--bwd-ms", "20", "--schedule", "interleaved", "--vpp", "2",
+                                                     "--no-overlap-p2p-comm"]),
+        # Megatron's default for interleaved, overlap_p2p_comm: same passes and messages,
+        # exchanges split and waited late.
         "interleaved-overlap": _train(base / "interleaved-overlap", [*SLEEP, "--bwd-ms", "20", "--schedule",
-                                                                     "interleaved", "--vpp", "2", "--overlap-p2p-comm"]),
+                                                                     "interleaved", "--vpp", "2"]),
         "zb-h1": _train(base / "zb", [*SLEEP, "--bwd-ms", "10", "--wgrad-ms", "10", "--schedule", "zb-h1"]),
     }
 
@@ -152,9 +155,9 @@ def test_sleep_mode_step_times_follow_theory(sleep_runs):
     # Shorter than 1F1B by theory: interleaved saves (p-1)(t_f+t_b)(1-1/v) = 45 ms, ZB-H1
     # saves 2(p-1)t_w = 60 ms. Interleaved sends twice the p2p messages on the critical path,
     # so the tolerance is "at least 40% of the theoretical saving, at most 150%". Interleaved
-    # with Megatron's blocking four-way exchanges puts ~2 ms of gloo latency per round on the
-    # critical path of this 2-core box and saves nothing (measured); overlap_p2p_comm, which
-    # Megatron offers for exactly this, takes it off.
+    # with Megatron's blocking four-way exchanges (--no-overlap-p2p-comm) puts ~2 ms of gloo
+    # latency per round on the critical path of this 2-core box and saves nothing (measured);
+    # overlap_p2p_comm, Megatron's default for this schedule, takes it off.
     for schedule, saving in (("interleaved-overlap", 0.045), ("zb-h1", 0.060)):
         measured = t_1f1b - _median_step_s(sleep_runs[schedule])
         assert 0.4 * saving <= measured <= 1.5 * saving, (schedule, measured, saving)
@@ -181,8 +184,8 @@ def reference_losses(tmp_path_factory):
         ["--tp", "2", "--pp", "2"],
         # pp x dp, ZB-H1's split backward and the overlapped DP reducer armed before the last W.
         ["--pp", "2", "--dp", "2", "--dp-overlap", "--schedule", "zb-h1"],
+        ["--pp", "2", "--schedule", "interleaved", "--vpp", "2", "--no-overlap-p2p-comm"],
         ["--pp", "2", "--schedule", "interleaved", "--vpp", "2"],
-        ["--pp", "2", "--schedule", "interleaved", "--vpp", "2", "--overlap-p2p-comm"],
         ["--tp", "2", "--sp", "--cp", "2"],
         ["--cp", "2", "--cp-algo", "ulysses"],
     ],

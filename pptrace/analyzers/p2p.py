@@ -103,22 +103,29 @@ def _sides(pairs: pd.DataFrame) -> tuple[np.ndarray, ...]:
     both = np.maximum(send_start, recv_start)
     both_sides = (
         (pairs["src"].to_numpy(), pairs["dst"].to_numpy()), (send_start, recv_start), (send_end, recv_end),
-        (np.where(send_end <= recv_start, send_start, both), both),
+        (np.where(send_end < recv_start, send_start, both), both),
     )
     return tuple(np.concatenate(sides).astype(np.int64) for sides in both_sides)
 
 
 def _exchanges(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ready: np.ndarray) -> np.ndarray:
-    """Per range, the latest ``ready`` of its exchange: the ranges of one rank that overlap
-    (one combined op posts several messages and waits for all of them)."""
+    """Per range, the latest ``ready`` of its exchange: one combined op posts several
+    messages and waits for all of them, so its ranges nest in the first one (regions close in
+    reverse order). A range that outlives the open exchange belongs to another op posted
+    meanwhile: Megatron's overlap_p2p_comm keeps a forward and a backward exchange open at
+    once, each waited on its own (posted at one instant, the one waited first comes first)."""
     last = np.empty(len(rank), dtype=np.int64)
     for r in np.unique(rank):
         mine = np.flatnonzero(rank == r)
-        mine = mine[np.lexsort((-end[mine], start[mine]))]
-        s, e = start[mine], end[mine]
-        first = np.flatnonzero(np.r_[True, s[1:] >= np.maximum.accumulate(e)[:-1]])
-        group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(s)]))
-        last[mine] = np.maximum.reduceat(ready[mine], first)[group]
+        mine = mine[np.lexsort((end[mine], start[mine]))]
+        group_of, first_end, groups = np.empty(len(mine), dtype=np.int64), None, -1
+        for i, (s, e) in enumerate(zip(start[mine], end[mine])):
+            if first_end is None or s >= first_end or e > first_end:
+                groups, first_end = groups + 1, e
+            group_of[i] = groups
+        latest = np.full(groups + 1, np.iinfo(np.int64).min)
+        np.maximum.at(latest, group_of, ready[mine])
+        last[mine] = latest[group_of]
     return last
 
 

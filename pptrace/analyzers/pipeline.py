@@ -21,13 +21,11 @@ number to compare with the theory).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pandas as pd
 
 from .breakdown import pipeline_windows
-from .critical_path import critical_path
+from .free_p2p import free_p2p_end
 from .intervals import Intervals
 
 FWD_OPS = ("fwd",)
@@ -108,40 +106,34 @@ def balanced_theory_bubble(schedule: str | None, p: int, v: int, t: float, t_w: 
     return (p - 1) * t
 
 
-def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None,
-                 collectives: pd.DataFrame | None = None) -> dict:
+def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> dict:
     """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
 
-    Per step, L is the time the critical path spends inside the pipeline window in p2p
-    transfer or host gaps (``critical_path``): with free p2p and no host time the window
-    would be L shorter, and every stage would idle L less. A rank already spends part of its
-    idle time in its own transfers and host gaps, which are not bubble, so its bubble owes
-    L minus that part to latency (clipped to [0, bubble]). On a balanced GPipe, 1F1B or
-    interleaved schedule with any fixed latency this leaves exactly the closed form as
-    schedule bubble (less on a stage whose own transfers exceed L: it moved data in part of
-    its slack), tests/test_bubble_split.py.
-    Steps whose critical path cannot be traced (no host step ranges, GPU-only traces) are
-    left out: the caller reports their split as unknown.
+    Per step, L is how much sooner the pipeline window would have ended with free p2p and no
+    host time between ops (``free_p2p.free_p2p_end``: the step replayed in its measured
+    order with its measured pass times); every stage would idle L less. A rank already spends
+    part of its idle time in its own transfers and host gaps, which are not bubble, so its
+    bubble owes L minus that part to latency (clipped to [0, bubble]). The rest, the schedule
+    part, is then what the replay leaves idle on the rank: on a balanced GPipe, 1F1B,
+    interleaved or ZB-H1 schedule with any fixed latency exactly the closed form (less on a
+    stage whose own transfers exceed L: it moved data in part of its slack),
+    tests/test_bubble_split.py.
+    Steps the replay cannot follow, and GPU traces (their window is where kernels ran, the
+    replay follows the host), are left out: the caller reports their split as unknown.
     """
     windows = pipeline_windows(view)
-    if not windows:
+    pairs = pairs if pairs is not None else view.pairs
+    if not windows or pairs is None or "send_index" not in pairs.columns:
         return {}
-    traced = replace(view, pairs=pairs if pairs is not None else view.pairs,
-                     collectives=collectives if collectives is not None else view.collectives)
-    if traced.pairs is None or traced.collectives is None or "send_index" not in traced.pairs.columns:
+    if (view.events["lane_kind"] == "gpu").any():
         return {}
     latency = {}
     for step, (lo, hi) in windows.items():
-        if step not in traced.steps:
+        if step not in view.steps:
             continue
-        try:
-            seg = critical_path(traced, step).segments
-        except (ValueError, KeyError):
-            continue
-        off_compute = seg["phase"].isin(["pp:transfer", "other"]).to_numpy()
-        start = np.clip(seg["start_ns"].to_numpy(), lo, hi)
-        end = np.clip(seg["end_ns"].to_numpy(), lo, hi)
-        latency[step] = int((end - start)[off_compute].sum())
+        end = free_p2p_end(view, pairs, step, (lo, hi))
+        if end is not None:
+            latency[step] = max(hi - end, 0)
     out = {}
     window_of = {step: Intervals.span(lo, hi) for step, (lo, hi) in windows.items()}
     for part in partitions:
