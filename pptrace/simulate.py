@@ -238,7 +238,8 @@ class PipelineTimes:
     input-grad backward and weight-grad backward on a stage, summed over its virtual chunks
     (a chunk pass takes 1/v of it). Schedules without a separate W run B + W as one pass.
     ``latency_s`` is (p, p): a message src -> dst completes this long after both sides posted.
-    ``overhead_s`` is host time after every op (launch, bookkeeping).
+    ``overhead_s`` is host time after every op (launch, bookkeeping); ``post_s`` the host
+    time to post an exchange that is waited later (ZB-H1, overlap_p2p_comm).
     ``latency_samples`` (optional, seconds): measured transfer times; when given, ``simulate``
     with an ``rng`` draws each message's latency from them instead of ``latency_s``, because a
     few slow transfers on the critical path lengthen a step more than the median suggests."""
@@ -249,6 +250,7 @@ class PipelineTimes:
     latency_s: np.ndarray
     overhead_s: float = 0.0
     latency_samples: np.ndarray | None = None
+    post_s: float = 0.0
 
     def __post_init__(self):
         self.fwd, self.bwd, self.wgrad = (np.asarray(a, dtype=float) for a in (self.fwd, self.bwd, self.wgrad))
@@ -268,8 +270,8 @@ class PipelineTimes:
             self.latency_samples = np.asarray(self.latency_samples, dtype=float).ravel()
             if not self.latency_samples.size or np.any(self.latency_samples < 0):
                 raise ValueError("latency_samples must be a non-empty array of times >= 0")
-        if self.overhead_s < 0:
-            raise ValueError(f"overhead_s must be >= 0, got {self.overhead_s}")
+        if self.overhead_s < 0 or self.post_s < 0:
+            raise ValueError(f"overhead_s and post_s must be >= 0, got {self.overhead_s} and {self.post_s}")
 
     @property
     def p(self) -> int:
@@ -367,6 +369,7 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
                         for msg in op.msgs:
                             posted.setdefault((msg.key, msg.is_send), start)
                     if op.kind == "post":
+                        clock[s] = start + times.post_s
                         pos[s] += 1
                         moved = True
                         continue

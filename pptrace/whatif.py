@@ -144,6 +144,25 @@ def _overhead(ops: pd.DataFrame) -> float:
     return float(np.median(gaps)) / 1e9 if gaps.size else 0.0
 
 
+def _post_cost(main: pd.DataFrame) -> float:
+    """Median host time from posting an exchange that is waited later to the pass run
+    meanwhile (ZB-H1's W, overlap_p2p_comm): the earliest p2p range opened since the rank's
+    previous pass, up to the start of the pass nested in it."""
+    costs = []
+    for _, g in main.groupby(["rank", "step"], observed=True):
+        passes = g[g["category"] == "compute"].sort_values("start_ns")
+        p2p = g[(g["category"] == "p2p").to_numpy() & (g["kind"] == "pp").to_numpy()]
+        if passes.empty or p2p.empty:
+            continue
+        p_start, p_end = p2p["start_ns"].to_numpy(), p2p["end_ns"].to_numpy()
+        prev_end = np.r_[np.iinfo(np.int64).min, passes["end_ns"].to_numpy()[:-1]]
+        for start, after in zip(passes["start_ns"].to_numpy(), prev_end):
+            opened = (p_start >= after) & (p_start < start) & (p_end > start)
+            if opened.any():
+                costs.append(start - p_start[opened].min())
+    return float(np.median(costs)) / 1e9 if costs else 0.0
+
+
 def _wgrad_fraction(run) -> float | None:
     for meta in run.meta.values():
         block = meta.get("pptrace") or {}
@@ -190,7 +209,7 @@ def measure(run) -> Measured:
         for a in (fwd, bwd, wgrad):
             a[stage] = np.median(a[present], axis=0)
     latency, samples = _latency(_exchange_latencies(run, steps.index, ops, stage_of), p)
-    times = PipelineTimes(fwd, bwd, wgrad, latency, _overhead(ops), samples)
+    times = PipelineTimes(fwd, bwd, wgrad, latency, _overhead(ops), samples, post_s=_post_cost(main))
 
     window = ops.groupby("step")["end_ns"].max() - ops.groupby("step")["start_ns"].min()
     step_time = float(steps.median()) / 1e9
@@ -325,7 +344,7 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
             "t_bwd_s": measured.times.bwd.mean(1).tolist(),
             "t_wgrad_s": measured.times.wgrad.mean(1).tolist(),
             "latency_s": float(np.median(measured.times.latency_s)),
-            "overhead_s": measured.times.overhead_s,
+            "overhead_s": measured.times.overhead_s, "post_s": measured.times.post_s,
             "sends": sends,
         },
         "replay": {

@@ -90,13 +90,12 @@ def test_partition_matches_the_simulated_schedule(tmp_path, schedule, v, latency
         assert round(s.bubble_s * 1e6) == round(truth.loc[s.stage, "bubble_s"] * 1e6), s.stage
     # every message moved for exactly the latency, however long its exchange waited for others
     transfer_us = np.round(pairs["transfer_ns"] / 1000).astype(int)
-    if schedule != "interleaved-overlap":
+    if schedule not in ("zb-h1", "interleaved-overlap"):
         assert set(transfer_us) == {latency_us}
     else:
-        # A range ends when its rank waits for it, after the pass run meanwhile: the message
-        # may have landed during that pass, so its transfer is known only up to the pass's end
-        # (the stage's partition above is exact: the pass counts as compute).
-        assert transfer_us.min() == latency_us and (transfer_us <= latency_us + T_B // 2).all()
+        # A pass runs between posting and waiting (ZB-H1's W, overlap_p2p_comm): what moved
+        # during the pass was hidden, only the rest of the latency is exposed transfer.
+        assert 0 <= transfer_us.min() and transfer_us.max() == latency_us
 
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES)

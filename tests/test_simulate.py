@@ -1,6 +1,8 @@
 """The pipeline simulator against the schedules' closed forms (pure Python, no processes)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,26 @@ def test_whatif_rejects_impossible_changes(synthetic_gpipe):
         whatif(synthetic_gpipe, schedule="1f1b", vpp=2)
     with pytest.raises(ValueError, match="microbatches % pp"):
         whatif(synthetic_gpipe, schedule="interleaved", vpp=2, microbatches=4)
+
+
+def test_posting_an_exchange_waited_later_costs_post_s():
+    """ZB-H1's W passes run between posting B's grad and waiting for it: the first starts
+    post_s after B."""
+    post = 0.0007
+    timeline = simulate("zb-h1", replace(PipelineTimes.uniform(4, 8, TF, TB, TF), post_s=post))
+    checked = 0
+    for stage in range(4):
+        program = stage_program("zb-h1", 4, stage, 8)
+        rows = timeline.ops[timeline.ops["stage"] == stage].itertuples()
+        # the timeline has a row per pass and per completed exchange ("post" opens one, no row)
+        prev_end, after_post = None, False
+        for op in program:
+            if op.kind == "post":
+                after_post = True
+                continue
+            row = next(rows)
+            if op.kind in ("F", "B", "W") and after_post:
+                assert row.start_s - prev_end == pytest.approx(post), (stage, op)
+                checked += 1
+            prev_end, after_post = row.end_s, False
+    assert checked > 8

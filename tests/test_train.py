@@ -19,6 +19,7 @@ import pytest
 
 from pptrace.schedules import schedule_table
 from instrumented_model.train import main
+from instrumented_model.train_config import config_from_args
 from pptrace.naming import parse_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,6 +215,7 @@ def test_loss_equals_single_process(tmp_path, reference_losses, args):
         (["--delay", "9:fwd:5", "--pp", "2"], "--delay rank 9"),
         (["--delay", "1:fast:5", "--pp", "2"], "phase 'fast'"),
         (["--out", "x", "--steps", "2", "--profile-steps", "1-2"], "raise --steps to 3"),
+        (["--pp", "2", "--overlap-p2p-comm"], "--overlap-p2p-comm needs --schedule interleaved"),
     ],
 )
 def test_bad_combination_exits_2_with_one_line(capsys, args, needle):
@@ -222,6 +224,16 @@ def test_bad_combination_exits_2_with_one_line(capsys, args, needle):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
     assert time.perf_counter() - start < 1.0, "validation must not start processes"
+
+
+def test_overlap_p2p_comm_defaults_as_in_megatrons_training_scripts():
+    """On for the interleaved schedule (Megatron's --no-overlap-p2p-communication turns it
+    off), off for the others, whose exchanges the trainer always blocks on."""
+    interleaved = ["--pp", "2", "--schedule", "interleaved", "--vpp", "2"]
+    assert config_from_args(interleaved).overlap_p2p_comm is True
+    assert config_from_args([*interleaved, "--no-overlap-p2p-comm"]).overlap_p2p_comm is False
+    assert config_from_args(["--pp", "2"]).overlap_p2p_comm is False
+    assert config_from_args(["--pp", "2", "--no-overlap-p2p-comm"]).overlap_p2p_comm is False
 
 
 def test_bad_combination_from_the_command_line(tmp_path):

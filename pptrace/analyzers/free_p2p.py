@@ -28,36 +28,45 @@ def _actions(events: pd.DataFrame, lo: int, hi: int) -> list:
     its wait for the last stage is what the window ends on)."""
     ev = events[(events["start_ns"] >= lo).to_numpy() & (events["end_ns"] <= hi).to_numpy()]
     ev = ev.sort_values(["start_ns", "end_ns"], ascending=[True, False])
+    is_pp = ((ev["category"] == "p2p") & (ev["kind"] == "pp")).to_numpy()
     timed = []  # (time, class, sequence, kind, payload)
     nested_until = -1  # end of the open top-level range that is not a pipeline p2p op
-    for seq, row in enumerate(ev.itertuples()):
-        start, end = int(row.start_ns), int(row.end_ns)
-        if row.category == "p2p" and row.kind == "pp":
-            timed.append((start, 1, seq, _POST, row.Index))
+    rows = zip(ev["start_ns"].to_numpy().tolist(), ev["end_ns"].to_numpy().tolist(), is_pp.tolist(), ev.index.tolist())
+    for seq, (start, end, pp, index) in enumerate(rows):
+        if pp:
+            timed.append((start, 1, seq, _POST, index))
             # at one instant a range that ends there came before one that begins there,
             # except a range's own end, which follows its beginning
-            timed.append((end, 0 if end > start else 2, seq, _WAIT, row.Index))
+            timed.append((end, 0 if end > start else 2, seq, _WAIT, index))
         elif start >= nested_until:  # ranges inside a pass are part of the pass
             timed.append((start, 1, seq, _RUN, end - start))
             nested_until = end
     return [(kind, payload) for *_, kind, payload in sorted(timed)]
 
 
-def free_p2p_end(view, pairs: pd.DataFrame, step: int, window: tuple[int, int]) -> int | None:
-    """The end of ``step``'s pipeline window (ns, on the measured clock, starting at the
-    window's start) had p2p been free and host gaps zero; None when the replay cannot follow
-    the step (a wait whose matched peer op never gets posted)."""
-    lo, hi = window
+def free_p2p_ends(view, pairs: pd.DataFrame, windows: dict) -> dict:
+    """step -> the end of that step's pipeline window (ns, measured clock, starting at the
+    window's start; ``windows``: step -> (start, end)) had p2p been free and host gaps zero.
+    Steps the replay cannot follow (a wait whose matched peer op never gets posted) are
+    left out."""
     ev = view.events
-    keep = (ev["step"] == step).to_numpy() & (ev["lane"] == "main").to_numpy() & ev["category"].isin(_REPLAYED).to_numpy()
-    work = ev[keep]
-    if work.empty:
-        return None
-    in_step = pairs[pairs["step"] == step]
-    partner = dict(zip(in_step["send_index"].astype(np.int64), in_step["recv_index"].astype(np.int64)))
-    partner.update(zip(in_step["recv_index"].astype(np.int64), in_step["send_index"].astype(np.int64)))
-    programs = [_actions(g, lo, hi) for _, g in work.groupby("rank", observed=True)]
-    clock, pos = [lo] * len(programs), [0] * len(programs)
+    keep = ((ev["lane"] == "main").to_numpy() & ev["category"].isin(_REPLAYED).to_numpy()
+            & ev["step"].isin(list(windows)).to_numpy())
+    pairs = pairs[pairs["step"].isin(list(windows)).to_numpy()]
+    partner = dict(zip(pairs["send_index"].astype(np.int64), pairs["recv_index"].astype(np.int64)))
+    partner.update(zip(pairs["recv_index"].astype(np.int64), pairs["send_index"].astype(np.int64)))
+    out = {}
+    for step, work in ev[keep].groupby("step", observed=True):
+        lo, hi = windows[int(step)]
+        programs = [_actions(g, lo, hi) for _, g in work.groupby("rank", observed=True)]
+        end = _replay(programs, partner, lo)
+        if end is not None:
+            out[int(step)] = end
+    return out
+
+
+def _replay(programs: list, partner: dict, start: int) -> int | None:
+    clock, pos = [start] * len(programs), [0] * len(programs)
     posted: dict = {}
     progress = True
     while progress:

@@ -31,6 +31,20 @@ class Intervals:
     def total(self) -> int:
         return int((self.ends - self.starts).sum())
 
+    def covered(self, starts, ends) -> np.ndarray:
+        """Per query [start, end): how much of it the set covers (vectorised)."""
+        return self._covered_before(np.asarray(ends, np.int64)) - self._covered_before(np.asarray(starts, np.int64))
+
+    def _covered_before(self, t: np.ndarray) -> np.ndarray:
+        """Per time t: the set's length before t."""
+        if not len(self):
+            return np.zeros(len(t), np.int64)
+        done = np.r_[0, np.cumsum(self.ends - self.starts)]  # length of the first k intervals
+        k = np.searchsorted(self.starts, t, side="right")  # intervals starting at or before t
+        last = np.maximum(k - 1, 0)
+        partial = np.clip(t - self.starts[last], 0, self.ends[last] - self.starts[last])
+        return np.where(k > 0, done[last] + partial, 0)
+
     def clip(self, start: int, end: int) -> "Intervals":
         return intersect(self, Intervals.span(start, end))
 

@@ -58,7 +58,7 @@ def match_pairs(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
         known = set(ev["index"])
         if set(given["send_index"]) <= known and set(given["recv_index"]) <= known:
             paired = set(given["send_index"]) | set(given["recv_index"])
-            out = _with_wait_transfer(given.reset_index(drop=True))
+            out = _with_wait_transfer(given.reset_index(drop=True), _busy(view))
             return out[[c for c in PAIR_COLUMNS if c in out.columns]], ev[~ev["index"].isin(paired)]
     key = ["src", "dst", "direction", "mb", "chunk"]
     ev["nth"] = ev.groupby(key + ["is_send"]).cumcount()
@@ -76,7 +76,7 @@ def match_pairs(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
         "send_start_ns": send_start, "send_end_ns": pairs["end_ns_s"].to_numpy(),
         "recv_start_ns": recv_start, "recv_end_ns": recv_end,
     })
-    return _with_wait_transfer(out)[list(PAIR_COLUMNS)].reset_index(drop=True), unmatched
+    return _with_wait_transfer(out, _busy(view))[list(PAIR_COLUMNS)].reset_index(drop=True), unmatched
 
 
 def _moving(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -86,7 +86,7 @@ def _moving(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     send_start, send_end = pairs["send_start_ns"].to_numpy(), pairs["send_end_ns"].to_numpy()
     recv_start, recv_end = pairs["recv_start_ns"].to_numpy(), pairs["recv_end_ns"].to_numpy()
     t0 = np.maximum(send_start, recv_start)
-    t1 = np.where(send_end <= recv_start, recv_end, np.minimum(send_end, recv_end))
+    t1 = np.where(send_end < recv_start, recv_end, np.minimum(send_end, recv_end))
     return t0, np.maximum(t1, t0)
 
 
@@ -129,17 +129,39 @@ def _exchanges(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ready: np.n
     return last
 
 
-def _with_wait_transfer(pairs: pd.DataFrame) -> pd.DataFrame:
+def _with_wait_transfer(pairs: pd.DataFrame, busy: dict | None = None) -> pd.DataFrame:
     """wait_ns: how long the recv was posted before the send; transfer_ns: how long the data
     moved: from both posted (see _moving) to the first side done, but not before the
     exchange of that first side had all its messages matched — until then it was waiting
-    for another message (split_by_rank), and its end says nothing about this one before."""
+    for another message (split_by_rank), and its end says nothing about this one before.
+    ``busy``: rank -> Intervals of its passes. A pass run between posting and waiting
+    (ZB-H1's W, overlap_p2p_comm) hides when the message landed: only the time that side
+    was not computing counts, the transfer it exposed."""
     t0, t1 = _moving(pairs)
     n = len(pairs)
     last = _exchanges(*_sides(pairs))
-    side = np.where(pairs["send_end_ns"].to_numpy() == t1, last[:n], last[n:])
+    send_first = pairs["send_end_ns"].to_numpy() == t1
+    a = np.minimum(np.maximum(t0, np.where(send_first, last[:n], last[n:])), t1)
+    transfer = t1 - a
+    if busy:
+        side = np.where(send_first, pairs["src"].to_numpy(), pairs["dst"].to_numpy())
+        for rank in np.unique(side):
+            if int(rank) in busy:
+                mine = side == rank
+                transfer[mine] -= busy[int(rank)].covered(a[mine], t1[mine])
     return pairs.assign(wait_ns=np.maximum(pairs["send_start_ns"] - pairs["recv_start_ns"], 0).to_numpy(),
-                        transfer_ns=np.maximum(t1 - np.maximum(t0, side), 0))
+                        transfer_ns=transfer)
+
+
+def _busy(view: RunView) -> dict:
+    """rank -> Intervals of its host passes; empty for GPU traces, whose host ranges only
+    launch work (the p2p ranges there are GPU extents)."""
+    ev = view.events
+    if (ev["lane_kind"] == "gpu").any():
+        return {}
+    sel = ev[(ev["category"] == "compute").to_numpy() & (ev["lane_kind"] == "host").to_numpy()]
+    return {int(r): union(g["start_ns"].to_numpy(), g["end_ns"].to_numpy())
+            for r, g in sel.groupby("rank", observed=True)}
 
 
 def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from .breakdown import pipeline_windows
-from .free_p2p import free_p2p_end
+from .free_p2p import free_p2p_ends
 from .intervals import Intervals
 
 FWD_OPS = ("fwd",)
@@ -110,7 +110,7 @@ def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> d
     """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
 
     Per step, L is how much sooner the pipeline window would have ended with free p2p and no
-    host time between ops (``free_p2p.free_p2p_end``: the step replayed in its measured
+    host time between ops (``free_p2p.free_p2p_ends``: the step replayed in its measured
     order with its measured pass times); every stage would idle L less. A rank already spends
     part of its idle time in its own transfers and host gaps, which are not bubble, so its
     bubble owes L minus that part to latency (clipped to [0, bubble]). The rest, the schedule
@@ -127,13 +127,8 @@ def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> d
         return {}
     if (view.events["lane_kind"] == "gpu").any():
         return {}
-    latency = {}
-    for step, (lo, hi) in windows.items():
-        if step not in view.steps:
-            continue
-        end = free_p2p_end(view, pairs, step, (lo, hi))
-        if end is not None:
-            latency[step] = max(hi - end, 0)
+    profiled = {step: window for step, window in windows.items() if step in view.steps}
+    latency = {step: max(profiled[step][1] - end, 0) for step, end in free_p2p_ends(view, pairs, profiled).items()}
     out = {}
     window_of = {step: Intervals.span(lo, hi) for step, (lo, hi) in windows.items()}
     for part in partitions:
