@@ -134,17 +134,17 @@ def test_program_matches_the_traced_order_of_passes_and_exchanges(trainer_runs):
 def test_critical_path_crosses_every_stage_and_spans_the_step(trainer_runs):
     run = trainer_runs["base"]
     m_fwd = measure(run).times
-    lengths, step_times = [], []
+    lengths, step_times, computes = [], [], []
     for step in run.steps:
         path = critical_path(run, step)
         assert path.stages == list(range(P))
         lengths.append(path.length_s)
         step_times.append(path.step_time_s)
-        # 1F1B's critical path computes (m+p-1) forward+backward slots
-        compute = path.segments.loc[path.segments["phase"].str.startswith("compute:"), "dur_ns"].sum() / 1e9
-        slot = float(m_fwd.fwd.mean() + m_fwd.bwd.mean() + m_fwd.wgrad.mean())
-        assert _close(compute, (M + P - 1) * slot, 0.05), (compute, (M + P - 1) * slot)
-    # a stalled rank can stretch one step's span; over the steps, path and step agree
+        computes.append(path.segments.loc[path.segments["phase"].str.startswith("compute:"), "dur_ns"].sum() / 1e9)
+    # A stalled pass can stretch one step (CI once measured +6% on one of 8); over the steps:
+    # 1F1B's critical path computes (m+p-1) forward+backward slots, and path and step agree.
+    slot = float(m_fwd.fwd.mean() + m_fwd.bwd.mean() + m_fwd.wgrad.mean())
+    assert _close(float(np.median(computes)), (M + P - 1) * slot, 0.05), (computes, (M + P - 1) * slot)
     assert _close(float(np.median(lengths)), float(np.median(step_times)), 0.02), (lengths, step_times)
 
 
