@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import orjson
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -110,8 +111,6 @@ def test_1f1b_bubble_matches_theory(trainer_run):
 
 def test_partition_sums_to_step_time(trainer_run):
     _, report, out = trainer_run("1f1b")
-    import orjson
-
     metrics = {m["step"]: m["step_time_s"] for m in map(orjson.loads, (out / "metrics.jsonl").read_bytes().splitlines())}
     for rank in report["ranks"]:
         assert [s["step"] for s in rank["steps"]] == report["run"]["steps"] == [1, 2, 3, 4, 5]
@@ -123,8 +122,9 @@ def test_partition_sums_to_step_time(trainer_run):
 
 
 def test_interleaved_bubble_matches_theory(trainer_run):
-    run, report, _ = trainer_run("interleaved")
+    run, report, out = trainer_run("interleaved")
     assert report["run"]["vpp"] == 2
+    assert orjson.loads((out / "run.json").read_bytes())["config"]["overlap_p2p_comm"] is True
     for stage in range(P):
         s = _stage(report, stage)
         assert [c["chunk"] for c in s["chunks"]] == [0, 1]

@@ -74,6 +74,15 @@ def test_interval_union_intersect_subtract():
     assert Intervals.empty().total == 0 and (a - a).total == 0
 
 
+def test_interval_covered_equals_the_intersection_per_query():
+    a = union([10, 30], [20, 50])  # [10,20) [30,50)
+    queries = [(0, 5), (15, 35), (25, 28), (0, 100), (45, 55), (60, 70), (20, 30), (10, 50)]
+    expected = [(a & Intervals.span(lo, hi)).total for lo, hi in queries]
+    assert expected == [0, 10, 0, 30, 5, 0, 0, 30]
+    assert a.covered(*zip(*queries)).tolist() == expected
+    assert Intervals.empty().covered([0], [10]).tolist() == [0]
+
+
 def test_partition_priority_and_exact_sum():
     parts = partition((0, 100), [("x", union([10], [50])), ("y", union([40], [70])), ("z", union([0], [200]))], rest="r")
     assert {k: v.total for k, v in parts.items()} == {"x": 40, "y": 20, "z": 40, "r": 0}
