@@ -94,6 +94,8 @@ class TrainConfig:
         for name in ("fwd_ms", "bwd_ms", "wgrad_ms", "lr", "clip_grad"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.overlap_p2p_comm is None:  # frozen: the default is resolved once, here
+            object.__setattr__(self, "overlap_p2p_comm", self.schedule == "interleaved")
         self._check_model()
         self._check_schedule()
         for delay in self.delays:
@@ -143,8 +145,6 @@ class TrainConfig:
             )
 
     def _check_schedule(self) -> None:
-        if self.overlap_p2p_comm is None:
-            object.__setattr__(self, "overlap_p2p_comm", self.schedule == "interleaved")  # frozen
         if self.schedule == "interleaved":
             if self.pp < 2 or self.vpp < 2:
                 raise ValueError(

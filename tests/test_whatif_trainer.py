@@ -108,6 +108,7 @@ def test_program_matches_the_traced_order_of_passes_and_exchanges(trainer_runs):
                  & (ev["category"].isin(["compute", "p2p"])).to_numpy()
                  & ~ev["op"].isin(["optimizer", "loss"]).to_numpy()].sort_values("start_ns")
         v = run.vpp or 1
+        overlap = measure(run).overlap_p2p_comm
         for rank, g in sel.groupby("rank", observed=True):
             traced, first_end = [], -1
             for row in g.itertuples():
@@ -122,7 +123,6 @@ def test_program_matches_the_traced_order_of_passes_and_exchanges(trainer_runs):
                 else:
                     traced.append((kind, int(row.mb), int(row.chunk) if v > 1 else 0))
             program = []
-            overlap = measure(run).overlap_p2p_comm
             for op in stage_program(run.schedule, P, run.layout.coords(int(rank)).pp, run.microbatches, v, overlap):
                 if op.kind in ("comm", "post"):
                     program.append(("comm", {("send" if m.is_send else "recv", m.direction, m.mb) for m in op.msgs}))
