@@ -33,6 +33,9 @@ WORKER = textwrap.dedent(
             with pptrace.region("dp:all_reduce", what="grad_norm", bytes=4):
                 dist.all_reduce(torch.ones(1))
             prof.step()
+    # both ranks past their trace export before either tears gloo down: a rank destroying
+    # its group while the peer still exports once aborted the peer ("terminate called")
+    dist.barrier()
     dist.destroy_process_group()
     """
 )
