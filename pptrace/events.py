@@ -42,6 +42,11 @@ in_nelems,         Int64      "In msg nelems" / "Out msg nelems"
 out_nelems
 dtype              category   "dtype" of the collective
 comm_seq           Int64      "Seq" of the collective where the trace has it
+src_rank,          Int64      record_param_comms "Src Rank" / "Dst Rank" of NCCL send/recv: the
+dst_rank                      peer's *global* rank (PyTorch writes them since mid-2024)
+inferred           bool       kind/op/tags were inferred from a foreign name or from the trace's
+                              structure (plain traces, :mod:`pptrace.infer`), not read from a
+                              contract-1 range name
 =================  =========  ===================================================================
 
 ``category`` (exactly one per event, decided by name and torch category):
@@ -74,7 +79,8 @@ from .naming import parse_name
 from .nccl_link import link_nccl_kernels
 
 # 2: NCCL kernels carry their launching collective (nccl_link), Megatron names classified
-SCHEMA_VERSION = 2
+# 3: src_rank / dst_rank of NCCL p2p, the inferred flag (plain traces)
+SCHEMA_VERSION = 3
 
 CATEGORIES = (
     "compute", "comm:tp", "comm:cp", "comm:dp", "comm:ep", "p2p", "wait", "step",
@@ -85,17 +91,18 @@ TAG_COLUMNS = ("mb", "chunk", "peer", "ring_step", "layer", "bucket", "bytes")
 INT_COLUMNS = ("pid", "tid", "start_ns", "end_ns", "dur_ns")
 NULLABLE_INT_COLUMNS = (
     *TAG_COLUMNS, "stream", "correlation", "external_id", "in_nelems", "out_nelems", "comm_seq",
+    "src_rank", "dst_rank",
 )
 CATEGORY_COLUMNS = (
     "lane", "lane_kind", "name", "cat", "kind", "op", "tags", "category",
     "collective", "group_ranks", "pg_name", "dtype",
 )
-BOOL_COLUMNS = ("is_nccl", "gpu_annotation")
+BOOL_COLUMNS = ("is_nccl", "gpu_annotation", "inferred")
 COLUMNS = (
     "rank", "lane", "lane_kind", "pid", "tid", "name", "cat", "start_ns", "end_ns", "dur_ns",
     "kind", "op", *TAG_COLUMNS, "tags", "category", "step", "stream", "correlation",
     "external_id", "is_nccl", "gpu_annotation", "collective", "group_ranks", "pg_name",
-    "in_nelems", "out_nelems", "dtype", "comm_seq",
+    "in_nelems", "out_nelems", "dtype", "comm_seq", "src_rank", "dst_rank", "inferred",
 )
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
@@ -181,6 +188,8 @@ class RawArgs(msgspec.Struct, gc=False):
     out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
     dtype: Any = None
     comm_seq: Any = msgspec.field(default=None, name="Seq")
+    src_rank: Any = msgspec.field(default=None, name="Src Rank")
+    dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
     name: Any = None  # thread_name metadata events
 
 
@@ -202,6 +211,7 @@ _RPC_ATTRS = (
     ("Collective name", "collective"), ("Process Group Ranks", "group_ranks"),
     ("Process Group Name", "pg_name"), ("In msg nelems", "in_nelems"),
     ("Out msg nelems", "out_nelems"), ("dtype", "dtype"), ("Seq", "comm_seq"),
+    ("Src Rank", "src_rank"), ("Dst Rank", "dst_rank"),
 )
 
 
@@ -216,6 +226,7 @@ _RPC_FIELDS = {
     "collective": "Collective name", "group_ranks": "Process Group Ranks",
     "pg_name": "Process Group Name", "in_nelems": "In msg nelems",
     "out_nelems": "Out msg nelems", "dtype": "dtype", "comm_seq": "Seq",
+    "src_rank": "Src Rank", "dst_rank": "Dst Rank",
 }
 _THREAD_PAREN = re.compile(r"^thread \d+ \((.*)\)\s*$")
 
@@ -546,6 +557,7 @@ def _add_lanes(df: pd.DataFrame, gpu: np.ndarray, main_tid, threads: dict) -> No
     df["lane"] = pd.Categorical.from_codes(inverse, categories=pd.Index(labels, dtype=object)) if len(uniq) else pd.Categorical([])
     df["lane_kind"] = pd.Categorical.from_codes(gpu.astype(np.int8), categories=["host", "gpu"])
     df["gpu_annotation"] = (df["cat"] == "gpu_user_annotation").to_numpy()
+    df["inferred"] = np.zeros(len(df), dtype=bool)
 
 
 def _add_rpc(df: pd.DataFrame, rpc: dict) -> None:
