@@ -267,3 +267,20 @@ def test_dp_straggler_named_first(tmp_path):
     # The others' wait shows as dp exposed: 50 µs vs the culprit's 30.
     table = breakdown_table(parts)
     assert _us(table, 0, 2)["dp_exposed"] == 50 and _us(table, 1, 2)["dp_exposed"] == 30
+
+
+def test_recv_wait_excludes_the_receivers_own_compute(tmp_path):
+    """A recv posted early and waited later (torch.distributed.pipelining, overlap_p2p_comm):
+    rank 1 posts its recv at 0 µs, computes 0..60 µs inside it, and the send is posted at
+    80 µs. The recv waited only 60..80 µs: 20 µs, not 80."""
+    layout = Layout(pp=2)
+    traces = {
+        0: _trace(0, 2, [("ProfilerStep#1", 0, 200), ("compute:fwd mb=0", 0, 80),
+                         ("pp:send_fwd peer=1 mb=0", 80, 95)], layout=layout),
+        1: _trace(1, 2, [("ProfilerStep#1", 0, 200), ("pp:recv_fwd peer=0 mb=0", 0, 90),
+                         ("compute:fwd mb=1", 0, 60)], layout=layout),
+    }
+    pairs, unmatched = match_pairs(_view(tmp_path, traces, layout))
+    assert unmatched.empty and len(pairs) == 1
+    assert pairs.loc[0, "wait_ns"] == 20 * US
+    assert pairs.loc[0, "transfer_ns"] == 10 * US

@@ -130,7 +130,10 @@ def _exchanges(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ready: np.n
 
 
 def _with_wait_transfer(pairs: pd.DataFrame, busy: dict | None = None) -> pd.DataFrame:
-    """wait_ns: how long the recv was posted before the send; transfer_ns: how long the data
+    """wait_ns: how long the recv was posted before the send, less the time the receiver spent
+    in its own passes meanwhile (a recv posted early and waited later, as torch.distributed.
+    pipelining and overlap_p2p_comm do, waits only while the receiver has nothing else to
+    do); transfer_ns: how long the data
     moved: from both posted (see _moving) to the first side done, but not before the
     exchange of that first side had all its messages matched — until then it was waiting
     for another message (split_by_rank), and its end says nothing about this one before.
@@ -143,14 +146,21 @@ def _with_wait_transfer(pairs: pd.DataFrame, busy: dict | None = None) -> pd.Dat
     send_first = pairs["send_end_ns"].to_numpy() == t1
     a = np.minimum(np.maximum(t0, np.where(send_first, last[:n], last[n:])), t1)
     transfer = t1 - a
+    recv_start = pairs["recv_start_ns"].to_numpy()
+    posted = np.maximum(pairs["send_start_ns"].to_numpy(), recv_start)
+    wait = posted - recv_start
     if busy:
-        side = np.where(send_first, pairs["src"].to_numpy(), pairs["dst"].to_numpy())
-        for rank in np.unique(side):
-            if int(rank) in busy:
-                mine = side == rank
-                transfer[mine] -= busy[int(rank)].covered(a[mine], t1[mine])
-    return pairs.assign(wait_ns=np.maximum(pairs["send_start_ns"] - pairs["recv_start_ns"], 0).to_numpy(),
-                        transfer_ns=transfer)
+        _less_busy(transfer, np.where(send_first, pairs["src"].to_numpy(), pairs["dst"].to_numpy()), a, t1, busy)
+        _less_busy(wait, pairs["dst"].to_numpy(), recv_start, posted, busy)
+    return pairs.assign(wait_ns=wait, transfer_ns=transfer)
+
+
+def _less_busy(span: np.ndarray, rank: np.ndarray, start: np.ndarray, end: np.ndarray, busy: dict) -> None:
+    """span -= the part of [start, end) that ``rank`` spent in its own passes (in place)."""
+    for r in np.unique(rank):
+        if int(r) in busy:
+            mine = rank == r
+            span[mine] -= busy[int(r)].covered(start[mine], end[mine])
 
 
 def _busy(view: RunView) -> dict:
