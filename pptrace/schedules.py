@@ -11,6 +11,30 @@ where "B" is the input gradient and "W" the weight gradient.
 from __future__ import annotations
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+#: Other trainers' names for schedules whose order is one of the tables below, so that their
+#: closed forms hold (torch.distributed.pipelining's class names).
+ALIASES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
+#: torch.distributed.pipelining schedules that place a rank's two stages in a V (stage s on
+#: rank s, stage 2p-1-s on rank s too); every other multi-stage schedule loops (s on s % p).
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+#: Ops of an action order: forward, whole backward, input grad, weight grad.
+ACTION_OPS = ("F", "B", "I", "W")
+
+
+def canonical(schedule: str | None) -> str | None:
+    """pptrace's name for a schedule whose order it knows, else the name as given."""
+    return ALIASES.get(schedule, schedule) if schedule else schedule
+
+
+def has_closed_form(schedule: str | None) -> bool:
+    return canonical(schedule) in SCHEDULES
+
+
+def stage_placement(schedule: str | None, p: int, v: int) -> list[int]:
+    """Global stage index (0 .. p*v-1) -> pipeline position (the rank's pp coordinate)."""
+    if v == 2 and schedule in V_SCHEDULES:
+        return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    return [s % p for s in range(p * v)]
 
 
 def _check(schedule: str, p: int, r: int, m: int, v: int) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from .schedules import (
+    ACTION_OPS,
     SCHEDULES,
     interleaved_backward_order,
     interleaved_forward_order,
@@ -229,6 +230,43 @@ def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1, overlap_p2p
     return _program_flat("1f1b" if schedule == "interleaved" else schedule, p, r, m)
 
 
+def action_programs(orders: list, placement: list[int]) -> list[list[Op]]:
+    """Programs from an action order, for schedules pptrace has no table of
+    (torch.distributed.pipelining's LoopedBFS, InterleavedZeroBubble, ZBV, DualPipeV, ...).
+
+    ``orders[s]``: pipeline position s's actions in execution order, ``(op, stage, mb)`` with op
+    in ``ACTION_OPS`` and ``stage`` the global stage index; ``placement``: global stage ->
+    position. A pass waits for the message it consumes right before it runs and posts what it
+    produces right after (torch's schedules do exactly that); stages on one position hand
+    tensors over locally. Chunk = global stage // p. Simulate such programs with eager sends:
+    torch posts its sends asynchronously and waits on them only later."""
+    p = len(orders)
+    last = len(placement) - 1
+    progs = []
+    for s, order in enumerate(orders):
+        prog: list[Op] = []
+        for op, stage, mb in order:
+            if op not in ACTION_OPS or not 0 <= stage <= last:
+                raise ValueError(f"position {s}: bad action {(op, stage, mb)!r}")
+            chunk = stage // p
+            if op == "F":
+                if stage > 0 and placement[stage - 1] != s:
+                    prog += _comm(Msg("fwd", False, placement[stage - 1], s, mb, stage))
+                prog.append(Op("F", mb, chunk))
+                if stage < last and placement[stage + 1] != s:
+                    prog += _comm(Msg("fwd", True, s, placement[stage + 1], mb, stage + 1))
+            elif op in ("B", "I"):
+                if stage < last and placement[stage + 1] != s:
+                    prog += _comm(Msg("bwd", False, placement[stage + 1], s, mb, stage))
+                prog.append(Op("B" if op == "B" else "I", mb, chunk))
+                if stage > 0 and placement[stage - 1] != s:
+                    prog += _comm(Msg("bwd", True, s, placement[stage - 1], mb, stage - 1))
+            else:
+                prog.append(Op("W", mb, chunk))
+        progs.append(prog)
+    return progs
+
+
 # ---------------------------------------------------------------------------------------
 # durations and the simulation
 # ---------------------------------------------------------------------------------------
@@ -305,7 +343,8 @@ def _duration(op: Op, times: PipelineTimes, stage: int, split_w: bool, v: int) -
         return times.fwd[stage, op.mb] / v
     if op.kind == "W":
         return times.wgrad[stage, op.mb] / v
-    extra = 0.0 if split_w else times.wgrad[stage, op.mb]
+    # "I" (input grad of an action order) is always followed by its own W
+    extra = 0.0 if split_w or op.kind == "I" else times.wgrad[stage, op.mb]
     return (times.bwd[stage, op.mb] + extra) / v
 
 
@@ -338,16 +377,21 @@ def _latency_model(times: PipelineTimes, rng):
 
 
 def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "rendezvous",
-             rng: np.random.Generator | None = None, overlap_p2p_comm: bool = False) -> Timeline:
+             rng: np.random.Generator | None = None, overlap_p2p_comm: bool = False,
+             programs: list | None = None) -> Timeline:
     """Run every stage's program against the others; raises ValueError on a deadlock (a
     program set that could not run in the trainer either). With ``rng`` and
-    ``times.latency_samples``, message latencies are drawn (one replication)."""
-    if schedule not in SCHEDULES:
+    ``times.latency_samples``, message latencies are drawn (one replication). ``programs``
+    (e.g. :func:`action_programs`) replaces the schedule's own, for schedules without a table."""
+    if programs is None and schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     if sends not in SEND_MODES:
         raise ValueError(f"sends={sends!r} is not one of {SEND_MODES}")
     p, m, v = times.p, times.m, vpp
-    programs = [stage_program(schedule, p, r, m, v, overlap_p2p_comm) for r in range(p)]
+    if programs is None:
+        programs = [stage_program(schedule, p, r, m, v, overlap_p2p_comm) for r in range(p)]
+    elif len(programs) != p:
+        raise ValueError(f"{len(programs)} programs for {p} stages")
     split_w = schedule == "zb-h1"
     latency = _latency_model(times, rng)
     pos, clock = [0] * p, [0.0] * p
@@ -360,7 +404,7 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
             while pos[s] < len(programs[s]):
                 op = programs[s][pos[s]]
                 start = clock[s]
-                if op.kind in ("F", "B", "W"):
+                if op.kind in ("F", "B", "I", "W"):
                     end = start + _duration(op, times, s, split_w, v)
                     rows.append((s, op.kind, op.mb, op.chunk, start, end, 0.0))
                 else:

@@ -410,7 +410,7 @@ def write_simulated_trace(result: dict, out_path) -> Path:
         events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": "compute"}})
         events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 1, "args": {"name": "p2p"}})
     names = {"F": "compute:fwd", "B": "compute:bwd_input" if pred["schedule"] == "zb-h1" else "compute:bwd",
-             "W": "compute:bwd_weight", "comm": "pp:exchange"}
+             "I": "compute:bwd_input", "W": "compute:bwd_weight", "comm": "pp:exchange"}
     for row in pred["timeline"]["rows"]:
         r = dict(zip(cols, row))
         name = names[r["kind"]]

@@ -55,7 +55,7 @@ def _ranges(schedule: str, stage: int, v: int, timeline, overlap: bool = False) 
     return out
 
 
-def _run(tmp_path, schedule: str, v: int, latency_us: int):
+def _run(tmp_path, schedule: str, v: int, latency_us: int, label: str | None = None):
     overlap = schedule == "interleaved-overlap"
     schedule = "interleaved" if overlap else schedule
     wgrad = T_W if schedule == "zb-h1" else 0
@@ -65,7 +65,7 @@ def _run(tmp_path, schedule: str, v: int, latency_us: int):
     layout = Layout(pp=P)
     traces = {s: _trace(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline, overlap)], layout=layout)
               for s in range(P)}
-    view = _view(tmp_path, traces, layout, schedule=schedule, microbatches=M, vpp=v)
+    view = _view(tmp_path, traces, layout, schedule=label or schedule, microbatches=M, vpp=v)
     pairs, unmatched = match_pairs(view)
     assert unmatched.empty
     partitions = partition_run(view)
@@ -117,3 +117,13 @@ def test_schedule_bubble_is_the_closed_form_whatever_the_latency(tmp_path, sched
             # in part of its schedule slack: that part is transfer, not bubble.
             assert schedule_part == min(bubble, theory_us), s.stage
     assert (stages["bubble_latency_s"] > 0).any() == (latency_us > 0)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_theory_without_a_closed_form_replays_the_measured_order(tmp_path, schedule, v):
+    """A schedule pptrace has no formula for (here: the same runs under a name it does not
+    know) gets its theory from its own measured order replayed with free p2p: on these
+    balanced runs, the closed form to the µs, and never another schedule's formula."""
+    stages, _, _ = _run(tmp_path, schedule, v, 500, label="MyOwnSchedule")
+    theory_us = balanced_theory_bubble(schedule.removesuffix("-overlap"), P, v, T_F + T_B, T_W if schedule == "zb-h1" else 0)
+    assert [round(b * 1e6) for b in stages["theory_bubble_s"]] == [theory_us] * P

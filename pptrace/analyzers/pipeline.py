@@ -24,13 +24,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..schedules import canonical, has_closed_form
 from .breakdown import pipeline_windows
 from .free_p2p import free_p2p_ends
 from .intervals import Intervals
 
 FWD_OPS = ("fwd",)
 BWD_OPS = ("bwd", "bwd_input", "bwd_weight")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def microbatch_times(view) -> pd.DataFrame:
@@ -104,6 +104,68 @@ def balanced_theory_bubble(schedule: str | None, p: int, v: int, t: float, t_w: 
     if schedule == "zb-h1":
         return (p - 1) * (t - 2 * t_w)
     return (p - 1) * t
+
+
+_ACTION_OF = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
+
+
+def _measured_orders(times: pd.DataFrame, view, placement: list[int], p: int) -> list | None:
+    """Per pipeline position, the (op, global stage, mb) order one of its ranks ran in its
+    first profiled step with passes: the schedule's own order, as the trace shows it."""
+    if times.empty:
+        return None
+    stage_of = {(pos, g // p): g for g, pos in enumerate(placement)}
+    orders = []
+    for pos in range(p):
+        mine = times[times["stage"] == pos]
+        if mine.empty:
+            return None
+        first = mine[(mine["rank"] == mine["rank"].min()).to_numpy()]
+        first = first[(first["step"] == first["step"].min()).to_numpy()].sort_values("start_ns", kind="stable")
+        orders.append([(_ACTION_OF[op], stage_of.get((pos, int(c)), pos), int(mb))
+                       for op, c, mb in zip(first["op"], first["chunk"], first["mb"])])
+    return orders
+
+
+def _recorded_orders(view, p: int) -> list | None:
+    """Per pipeline position, the action order the trainer recorded in the pptrace block
+    (``pipeline_actions``, written by the integrations), from one rank of each position."""
+    actions = getattr(view, "pipeline_actions", None) or {}
+    orders: list = [None] * p
+    for rank in sorted(actions):
+        pos = view.layout.coords(rank).pp if rank < view.layout.world_size else None
+        if pos is not None and orders[pos] is None:
+            orders[pos] = [(str(op), int(stage), int(mb)) for op, stage, mb in actions[rank]]
+    return orders if all(o is not None for o in orders) else None
+
+
+def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int):
+    """Theory of a schedule without a closed form: its own action order (as recorded by the
+    trainer's integration, else as the trace ran it) replayed with free p2p and the run's
+    measured per-stage pass times (simulate.py). -> (step, bubble per stage, source) or None."""
+    from ..schedules import stage_placement
+    from ..simulate import PipelineTimes, action_programs, simulate
+
+    p = view.layout.pp
+    placement = stage_placement(view.schedule, p, v)
+    recorded = getattr(view, "stage_ranks", None)
+    if recorded and len(recorded) == p * v:
+        placement = [view.layout.coords(int(r)).pp for r in recorded]
+    orders, source = _recorded_orders(view, p), "replay of the schedule's recorded action order"
+    if orders is None:
+        orders, source = _measured_orders(times, view, placement, p), "replay of the measured action order"
+    if orders is None:
+        return None
+    m = max(m, 1 + max((mb for order in orders for _, _, mb in order), default=0))
+    column = lambda a: np.repeat(np.asarray(a, dtype=float)[:, None], m, axis=1)  # noqa: E731
+    t_w = stages["t_wgrad_s"].to_numpy()
+    pipe = PipelineTimes(column(stages["t_fwd_s"]), column(np.maximum(stages["t_bwd_s"].to_numpy() - t_w, 0)),
+                         column(t_w), 0.0)
+    try:
+        timeline = simulate(str(view.schedule), pipe, v, sends="eager", programs=action_programs(orders, placement))
+    except ValueError:
+        return None
+    return timeline.makespan_s, np.maximum(timeline.makespan_s - timeline.stages["compute_s"].to_numpy(), 0.0), source
 
 
 def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> dict:
@@ -191,12 +253,26 @@ def pipeline_stages(view, partitions: list, latency: dict | None = None) -> tupl
         return stages, summary
     t_stage = (stages["t_fwd_s"] + stages["t_bwd_s"]).to_numpy()
     t_w = stages["t_wgrad_s"].to_numpy()
-    step_theory = theory_step(view.schedule, m, v, t_stage, t_w)
-    stages["theory_bubble_s"] = np.maximum(step_theory - m * t_stage, 0.0) if p > 1 else 0.0
+    schedule = canonical(view.schedule)
+    if has_closed_form(schedule) or p == 1:
+        step_theory = theory_step(schedule, m, v, t_stage, t_w)
+        stages["theory_bubble_s"] = np.maximum(step_theory - m * t_stage, 0.0) if p > 1 else 0.0
+        stages["theory_bubble_balanced_s"] = [
+            balanced_theory_bubble(schedule, p, v, t, w) if p > 1 else 0.0 for t, w in zip(t_stage, t_w)]
+        summary["theory_source"] = f"closed form ({schedule})" if p > 1 else None
+    else:
+        replayed = replay_theory(view, times, stages, m, v)
+        if replayed is None:
+            step_theory = 0.0
+            stages["theory_bubble_s"] = np.nan
+            summary["theory_source"] = None
+        else:
+            step_theory, bubble, source = replayed
+            stages["theory_bubble_s"] = bubble
+            summary["theory_source"] = source
+        stages["theory_bubble_balanced_s"] = stages["theory_bubble_s"]
     stages["theory_bubble_fraction"] = stages["theory_bubble_s"] / step_theory if step_theory else 0.0
-    stages["theory_bubble_balanced_s"] = [
-        balanced_theory_bubble(view.schedule, p, v, t, w) if p > 1 else 0.0 for t, w in zip(t_stage, t_w)]
-    measured = stages[stages["step_s"] > 0]
+    measured = stages[(stages["step_s"] > 0).to_numpy() & stages["theory_bubble_s"].notna().to_numpy()]
     summary.update(
         bubble_fraction=float(measured["bubble_fraction"].mean()) if not measured.empty else 0.0,
         theory_bubble_fraction=float(measured["theory_bubble_fraction"].mean()) if not measured.empty else 0.0,

@@ -31,6 +31,9 @@ class RunView:
     collectives: pd.DataFrame | None = None   # match.match_collectives output, likewise
     #: rank -> {pg_name: {"desc": pg_desc, "ranks": [...]}} from distributedInfo.pg_config
     process_groups: dict = field(default_factory=dict)
+    #: rank -> its recorded action order [(op, global stage, mb)] (integrations, pptrace block)
+    pipeline_actions: dict = field(default_factory=dict)
+    stage_ranks: tuple | None = None  # global stage -> global rank, when recorded
 
     def __post_init__(self):
         missing = {"rank", "lane_kind", "start_ns", "end_ns", "category"} - set(self.events.columns)
@@ -91,6 +94,20 @@ def process_groups(meta) -> dict:
     return out
 
 
+def _recorded(meta) -> tuple[dict, tuple | None]:
+    """(rank -> pipeline_actions, stage_ranks) from the pptrace blocks (contract 2)."""
+    actions, stage_ranks = {}, None
+    for rank, m in (meta.items() if isinstance(meta, dict) else ()):
+        block = (m or {}).get("pptrace") if isinstance(m, dict) else None
+        if not isinstance(block, dict):
+            continue
+        if isinstance(block.get("pipeline_actions"), list):
+            actions[int(rank)] = block["pipeline_actions"]
+        if isinstance(block.get("stage_ranks"), list) and stage_ranks is None:
+            stage_ranks = tuple(int(r) for r in block["stage_ranks"])
+    return actions, stage_ranks
+
+
 def view_of(run) -> RunView:
     """The view of a loaded ``pptrace.run.Run`` (duck-typed: any object with its attributes)."""
     if isinstance(run, RunView):
@@ -101,6 +118,7 @@ def view_of(run) -> RunView:
         isinstance(m, dict) and m.get("pptrace") for m in (meta.values() if isinstance(meta, dict) else meta)
     ) if meta else True
     layout = run.layout if run.layout is not None else Layout(dp=max(1, len(run.ranks)))
+    actions, stage_ranks = _recorded(meta)
     return RunView(
         events=run.events,
         layout=layout,
@@ -116,4 +134,6 @@ def view_of(run) -> RunView:
         pairs=getattr(run, "pairs", None),
         collectives=getattr(run, "collectives", None),
         process_groups=process_groups(meta),
+        pipeline_actions=actions,
+        stage_ranks=stage_ranks,
     )
