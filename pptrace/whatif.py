@@ -17,7 +17,8 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from .simulate import PipelineTimes, Timeline, simulate
+from .schedules import SCHEDULES, canonical, has_closed_form
+from .simulate import PipelineTimes, Timeline, action_programs, simulate
 
 SCHEMA = "pptrace.whatif/1"
 _PIPE_COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -42,6 +43,9 @@ class Measured:
     wgrad_fraction: float | None  # W / (B + W) from the run's metadata (sleep mode), if any
     notes: list = field(default_factory=list)
     overlap_p2p_comm: bool = False  # the run's interleaved exchanges were Megatron's overlapped ones
+    #: a schedule pptrace has no table for: the programs built from its own action order
+    #: (simulate.action_programs), replayed with eager sends as torch posts them
+    programs: list | None = None
 
 
 def _main_events(run) -> pd.DataFrame:
@@ -184,12 +188,16 @@ def _overlap_p2p_comm(run) -> bool:
 
 def measure(run) -> Measured:
     """Durations, latencies and the measured step of a run (medians over its profiled steps)."""
-    if not run.schedule or not run.microbatches:
+    p, v = run.layout.pp, int(run.vpp or 1)
+    schedule = canonical(run.schedule)
+    programs, m = None, int(run.microbatches or 0)
+    if not has_closed_form(schedule):
+        programs, m = _own_programs(run, v, m)
+    if not m:
         raise ValueError(
-            f"{run.path}: the traces do not say which pipeline schedule/microbatches ran "
-            "(no pptrace block); what-if needs a run recorded with pptrace.profile(schedule=..., microbatches=...)"
+            f"{run.path}: the traces do not say how many microbatches ran and show no compute passes; "
+            "what-if needs a run recorded with pptrace.profile (or its passes named)"
         )
-    p, m, v = run.layout.pp, int(run.microbatches), int(run.vpp or 1)
     stage_of = {r: run.layout.coords(r).pp for r in run.ranks}
     main = _main_events(run)
     notes = []
@@ -200,7 +208,8 @@ def measure(run) -> Measured:
         raise ValueError(f"{run.path}: no compute:fwd/bwd ranges in the profiled steps; nothing to replay")
     split = bool((ops["op"] == "bwd_input").any())
     fwd = _stage_matrix(ops, ["fwd"], stage_of, p, m)
-    bwd = _stage_matrix(ops, ["bwd_input"] if split else ["bwd"], stage_of, p, m)
+    # a split run's full backward passes (some torch zero-bubble schedules mix them) count as B
+    bwd = _stage_matrix(ops, ["bwd_input", "bwd"] if split else ["bwd"], stage_of, p, m)
     wgrad = _stage_matrix(ops, ["bwd_weight"], stage_of, p, m)
     present = sorted(set(ops["rank"].map(stage_of)))
     for stage in sorted(set(range(p)) - set(present)):
@@ -217,11 +226,30 @@ def measure(run) -> Measured:
     if len(steps) < 2:
         notes.append("only one profiled step: measured times carry that step's noise")
     return Measured(
-        schedule=run.schedule, vpp=v, times=times, step_time_s=step_time,
+        schedule=schedule or "unknown", vpp=v, times=times, step_time_s=step_time,
         window_s=float(window.median()) / 1e9, fixed_s=max(fixed, 0.0),
         split_backward=split, wgrad_fraction=_wgrad_fraction(run), notes=notes,
-        overlap_p2p_comm=run.schedule == "interleaved" and _overlap_p2p_comm(run),
+        overlap_p2p_comm=schedule == "interleaved" and _overlap_p2p_comm(run),
+        programs=programs,
     )
+
+
+def _own_programs(run, v: int, m: int) -> tuple[list, int]:
+    """Programs of a schedule without a table, from its recorded or measured action order,
+    and the microbatch count (what the orders hold when the run did not say)."""
+    from .analyzers.pipeline import action_orders, microbatch_times
+    from .analyzers.runview import view_of
+
+    view = view_of(run)
+    found = action_orders(view, microbatch_times(view), v)
+    if found is None:
+        raise ValueError(
+            f"{run.path}: schedule {run.schedule or '(unknown)'} has no table in pptrace and the traces show "
+            "no pipeline passes to take its order from; nothing to replay"
+        )
+    orders, placement, _ = found
+    m = max(m, 1 + max((mb for order in orders for _, _, mb in order), default=-1))
+    return action_programs(orders, placement), m
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,8 +259,11 @@ def _target(measured: Measured, m: int, schedule, vpp, microbatches) -> tuple[st
     if schedule is None:
         schedule = "interleaved" if vpp is not None and vpp > 1 else measured.schedule
     if vpp is None:
-        vpp = (measured.vpp if measured.vpp > 1 else 2) if schedule == "interleaved" else 1
-    if schedule != "interleaved" and vpp != 1:
+        if schedule == measured.schedule and measured.programs is not None:
+            vpp = measured.vpp  # a schedule without a table keeps the stages it ran with
+        else:
+            vpp = (measured.vpp if measured.vpp > 1 else 2) if schedule == "interleaved" else 1
+    if schedule != "interleaved" and vpp != 1 and not (schedule == measured.schedule and measured.programs):
         raise ValueError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
     return schedule, vpp, int(microbatches or m)
 
@@ -290,14 +321,17 @@ def _ops(timeline: Timeline) -> dict:
     return {"columns": cols, "rows": timeline.ops[cols].to_numpy().tolist()}
 
 
-def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int, overlap: bool) -> Timeline:
+def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int, overlap: bool,
+                programs: list | None = None) -> Timeline:
     """The median-makespan timeline of n simulations with drawn latencies (one if nothing
     is random)."""
+    if programs is not None:
+        sends = "eager"  # torch posts its sends and waits on them later
     if times.latency_samples is None or n <= 1:
-        return simulate(schedule, times, v, sends=sends, overlap_p2p_comm=overlap)
+        return simulate(schedule, times, v, sends=sends, overlap_p2p_comm=overlap, programs=programs)
     rng = np.random.default_rng(SEED)
-    runs = sorted((simulate(schedule, times, v, sends=sends, rng=rng, overlap_p2p_comm=overlap) for _ in range(n)),
-                  key=lambda t: t.makespan_s)
+    runs = sorted((simulate(schedule, times, v, sends=sends, rng=rng, overlap_p2p_comm=overlap, programs=programs)
+                   for _ in range(n)), key=lambda t: t.makespan_s)
     return runs[len(runs) // 2]
 
 
@@ -316,7 +350,8 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
     times, notes = measured.times, list(measured.notes)
     target, v, m = _target(measured, times.m, schedule, vpp, microbatches)
 
-    replay = _replicated(measured.schedule, times, measured.vpp, sends, replications, measured.overlap_p2p_comm)
+    replay = _replicated(measured.schedule, times, measured.vpp, sends, replications, measured.overlap_p2p_comm,
+                         measured.programs)
     replay_step = replay.makespan_s + measured.fixed_s
 
     straggler = None
@@ -330,7 +365,15 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
         notes.append("B and W measured separately run back to back as one backward in this schedule")
     # a schedule the run did not use runs as Megatron's training scripts run it by default
     overlap = measured.overlap_p2p_comm if target == measured.schedule else target == "interleaved"
-    predicted = _replicated(target, times, v, sends, replications, overlap)
+    own = measured.programs if target == measured.schedule else None
+    if own is not None and m != measured.times.m:
+        raise ValueError(
+            f"schedule {measured.schedule} has no table in pptrace: its order is known for the "
+            f"{measured.times.m} microbatches that ran only; pick a --schedule to change the count"
+        )
+    if target not in SCHEDULES and own is None:
+        raise ValueError(f"schedule {target!r} is not one of {SCHEDULES}")
+    predicted = _replicated(target, times, v, sends, replications, overlap, own)
     predicted_step = predicted.makespan_s + measured.fixed_s
     return {
         "schema": SCHEMA,

@@ -127,3 +127,36 @@ def test_theory_without_a_closed_form_replays_the_measured_order(tmp_path, sched
     stages, _, _ = _run(tmp_path, schedule, v, 500, label="MyOwnSchedule")
     theory_us = balanced_theory_bubble(schedule.removesuffix("-overlap"), P, v, T_F + T_B, T_W if schedule == "zb-h1" else 0)
     assert [round(b * 1e6) for b in stages["theory_bubble_s"]] == [theory_us] * P
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_whatif_replays_a_schedule_without_a_table_from_its_own_order(tmp_path, schedule, v):
+    """What-if on a run whose schedule pptrace has no table for: the replay follows the
+    measured order; with free p2p it reproduces the measured step, and changing the
+    microbatch count without naming a schedule is refused (the order is known for m only)."""
+    import gzip
+
+    import orjson
+
+    from pptrace import load_run
+    from pptrace.whatif import whatif
+
+    wgrad = T_W if schedule == "zb-h1" else 0
+    times = PipelineTimes.uniform(P, M, T_F / 1e6, (T_B - wgrad) / 1e6, wgrad / 1e6)
+    timeline = simulate(schedule, times, vpp=v)
+    end = round(timeline.makespan_s * 1e6)
+    layout = Layout(pp=P)
+    for s in range(P):
+        doc = _trace(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline)], layout=layout)
+        doc["pptrace"].update(schedule="MyOwnSchedule", vpp=v)
+        doc = {"pptrace": doc.pop("pptrace"), **doc}  # where Kineto writes it: before the events
+        path = tmp_path / "traces" / f"rank{s}.json.gz"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(gzip.compress(orjson.dumps(doc)))
+    run = load_run(tmp_path, progress=False)
+    result = whatif(run, replications=1)
+    assert result["measured"]["microbatches"] == M
+    assert abs(result["replay"]["error_fraction"]) < 0.01
+    with pytest.raises(ValueError, match="no table"):
+        whatif(run, microbatches=2 * M, replications=1)
+    assert whatif(run, schedule="1f1b", microbatches=2 * M, replications=1)["predicted"]["step_time_s"] > 0

@@ -139,12 +139,10 @@ def _recorded_orders(view, p: int) -> list | None:
     return orders if all(o is not None for o in orders) else None
 
 
-def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int):
-    """Theory of a schedule without a closed form: its own action order (as recorded by the
-    trainer's integration, else as the trace ran it) replayed with free p2p and the run's
-    measured per-stage pass times (simulate.py). -> (step, bubble per stage, source) or None."""
+def action_orders(view, times: pd.DataFrame, v: int):
+    """(orders per pipeline position, placement, where they came from) of a run, or None:
+    the order the trainer's integration recorded, else the order the trace shows."""
     from ..schedules import stage_placement
-    from ..simulate import PipelineTimes, action_programs, simulate
 
     p = view.layout.pp
     placement = stage_placement(view.schedule, p, v)
@@ -154,8 +152,19 @@ def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: in
     orders, source = _recorded_orders(view, p), "replay of the schedule's recorded action order"
     if orders is None:
         orders, source = _measured_orders(times, view, placement, p), "replay of the measured action order"
-    if orders is None:
+    return None if orders is None else (orders, placement, source)
+
+
+def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int):
+    """Theory of a schedule without a closed form: its own action order (as recorded by the
+    trainer's integration, else as the trace ran it) replayed with free p2p and the run's
+    measured per-stage pass times (simulate.py). -> (step, bubble per stage, source) or None."""
+    from ..simulate import PipelineTimes, action_programs, simulate
+
+    found = action_orders(view, times, v)
+    if found is None:
         return None
+    orders, placement, source = found
     m = max(m, 1 + max((mb for order in orders for _, _, mb in order), default=0))
     column = lambda a: np.repeat(np.asarray(a, dtype=float)[:, None], m, axis=1)  # noqa: E731
     t_w = stages["t_wgrad_s"].to_numpy()
