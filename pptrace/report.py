@@ -266,6 +266,10 @@ def print_report(report: dict, console) -> None:
                       _ms(s.get("theory_bubble_s")), f"{s.get('theory_bubble_fraction') or 0:.1%}",
                       _ms(s["warmup_bubble_s"]), _ms(s["steady_bubble_s"]), _ms(s["cooldown_bubble_s"]),
                       _ms(s["t_fwd_s"]), _ms(s["t_bwd_s"]), _ms(s["t_wgrad_s"]))
+        if pipe.get("theory_source"):
+            t.caption = f"theory: {pipe['theory_source']} with this run's measured pass times"
+        else:
+            t.caption = "theory: unknown (no closed form for this schedule and no pass order to replay)"
         console.print(t)
     t = Table(title="Step time per rank (ms, mean over steps)")
     for col in ("rank", "where", "step", *PARTS, *(f"{d} hidden" for d in DIMS)):
