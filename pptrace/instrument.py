@@ -16,6 +16,8 @@ from pathlib import Path
 import orjson
 import torch
 
+from .integrations import DEFAULT as DEFAULT_INTEGRATIONS
+from .integrations import instrument_all, merged_metadata, remove_all
 from .naming import format_name, parse_name
 from .topology import Layout
 
@@ -180,6 +182,11 @@ class profile:
 
     ``steps`` counts calls of ``.step()`` from 0; the profiler records steps first..last
     (one warm-up step before, when there is room). Ranks outside ``ranks`` record nothing.
+
+    ``integrations`` (default: all of :mod:`pptrace.integrations`) instrument the pipeline
+    libraries the process uses for as long as the profiler runs, and fill in the layout,
+    schedule, microbatches and vpp the arguments leave out (arguments given win);
+    ``integrations=()`` turns them off.
     """
 
     def __init__(
@@ -194,10 +201,14 @@ class profile:
         microbatches: int | None = None,
         vpp: int | None = None,
         extra: dict | None = None,
+        integrations=DEFAULT_INTEGRATIONS,
     ):
         self.out_dir = Path(out_dir)
         self.first_step, self.last_step = parse_steps(steps)
         self.rank, self.world_size = _distributed_rank()
+        # What the caller said, which the integrations' findings never override.
+        self._given = {"layout": layout is not None, "schedule": schedule, "microbatches": microbatches,
+                       "vpp": vpp, **(extra or {})}
         if layout is None:
             layout = Layout(dp=self.world_size)
         if layout.world_size != self.world_size:
@@ -224,6 +235,8 @@ class profile:
         }
         self._record_shapes, self._with_stack = record_shapes, with_stack
         self._profiler = None
+        self._integration_names = tuple(integrations or ())
+        self._integrations: list = []
 
     def _on_trace_ready(self, prof) -> None:
         self.trace_path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,11 +247,36 @@ class profile:
         # when the active window opens and rewritten, with the closing clock sample, just
         # before it closes.
         self._block.setdefault("clock", {})[when] = clock_sample()
+        if self._integrations:
+            self._merge_integrations(merged_metadata(self._integrations))
         self._profiler.add_metadata_json(METADATA_KEY, orjson.dumps(self._block).decode())
+
+    def _merge_integrations(self, found: dict) -> None:
+        if "layout" in found and not self._given["layout"]:
+            try:
+                layout = Layout.from_dict(found["layout"])
+            except ValueError:
+                layout = None
+            if layout is not None and layout.world_size == self.world_size:
+                self.layout = layout
+                self._block["layout"] = layout.to_dict()
+                self._block["coords"] = layout.coords(self.rank)._asdict()
+        for key, value in found.items():
+            if key != "layout" and self._given.get(key) is None:
+                self._block[key] = value
 
     def __enter__(self):
         if not self.enabled:
             return self
+        self._integrations = instrument_all(self._integration_names)
+        try:
+            return self._start()
+        except BaseException:
+            remove_all(self._integrations)
+            self._integrations = []
+            raise
+
+    def _start(self):
         # A warm-up step lets the profiler settle before recording; step 0 has none to spare.
         warmup = 1 if self.first_step >= 1 else 0
         schedule = torch.profiler.schedule(
@@ -276,7 +314,11 @@ class profile:
             self._write_metadata("start")
 
     def __exit__(self, *exc):
-        if self._profiler is not None:
-            self._profiler.__exit__(*exc)
-            self._profiler = None
+        try:
+            if self._profiler is not None:
+                self._profiler.__exit__(*exc)
+                self._profiler = None
+        finally:
+            remove_all(self._integrations)
+            self._integrations = []
         return False
