@@ -8,8 +8,9 @@
   microbatches are left for the integration to find); ``"plain"`` uses torch.profiler
   directly with ``record_shapes=True`` and the same step window; ``"plain-noshapes"`` the
   same with ``record_shapes=False``; ``"none"`` writes no trace.
-- ``out/truth/rank{r}.json``: ground truth from the same run. Per step its start/end and
-  every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
+- ``out/truth/rank{r}.json``: ground truth from the same run. Per step its start/end, the
+  call of ``schedule.step()`` (``pipeline_start`` / ``pipeline_end``: the pipeline runs in
+  it, so across ranks they bound the pipeline window of DESIGN contract 3) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
   ``mb``, start/end) with the sleeps measured inside it (``kind`` fwd|bwd_input|bwd_weight).
   Every time is given twice: ``*_ns`` from ``perf_counter_ns`` and ``*_epoch_ns`` from
   ``time_ns`` (comparable with trace times: ``baseTimeNanoseconds + ts * 1000``). Also the
@@ -86,6 +87,11 @@ class Recorder:
     def begin_step(self, step: int) -> None:
         ns, epoch = _now()
         self.steps.append({"step": step, "start_ns": ns, "start_epoch_ns": epoch, "actions": []})
+
+    def mark(self, name: str) -> None:
+        """A named instant of the current step (``<name>_ns`` and ``<name>_epoch_ns``)."""
+        ns, epoch = _now()
+        self.steps[-1].update({f"{name}_ns": ns, f"{name}_epoch_ns": epoch})
 
     def end_step(self) -> None:
         ns, epoch = _now()
@@ -311,7 +317,9 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
                 optimizer.zero_grad()
                 args = (batch,) if has_first else ()
                 kwargs = {"target": target} if has_last else {}
+                RECORDER.mark("pipeline_start")
                 schedule.step(*args, **kwargs)
+                RECORDER.mark("pipeline_end")
                 # Gradient clipping's global norm: one all-reduce over all ranks ends the step.
                 norm = torch.stack([p.grad.norm() if p.grad is not None else torch.zeros(()) for p in params]).sum()
                 dist.all_reduce(norm.reshape(1))
