@@ -13,8 +13,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 
 if [ "${1:-}" = "--dev" ]; then
-    # The hta extra lets the tests cross-check GPU numbers against HTA (traceinsight, ~120 MB).
-    "$PY" -m pip install -q -e '.[dev,hta]'
+    # The hta extra lets the tests cross-check GPU numbers against HTA (traceinsight, ~120 MB);
+    # the megatron extra lets them run Megatron-Core's real schedules on gloo (a 2.6 MB wheel).
+    "$PY" -m pip install -q -e '.[dev,hta,megatron]'
     if ! command -v chromium >/dev/null 2>&1; then
         SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
         $SUDO apt-get update -qq
