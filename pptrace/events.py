@@ -76,7 +76,7 @@ import pandas as pd
 
 from .megatron_names import parse_megatron_name
 from .naming import parse_name
-from .nccl_link import link_nccl_kernels
+from .nccl_link import infer_nccl_p2p, link_nccl_kernels
 
 # 2: NCCL kernels carry their launching collective (nccl_link), Megatron names classified
 # 3: src_rank / dst_rank of NCCL p2p, the inferred flag (plain traces)
@@ -422,6 +422,7 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
     _add_rpc(df, rpc)
     link_nccl_kernels(df)
     _add_steps(df, gpu)
+    infer_nccl_p2p(df, rank, warnings)  # plain NCCL traces: send/recv -> pp rows
     info = {
         "threads": {int(k): v for k, v in threads.items()},
         "main_tid": main_tid,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .nccl_link import is_p2p_collective
 from .projection import gpu_extent
 from .topology import Layout
 
@@ -27,7 +28,8 @@ KIND_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp"), "ep": ("dp",), "p
 #: Tags that mark a collective over all ranks whatever its kind (the grad-norm all-reduce).
 WORLD_TAGS = ('"what":"grad_norm"', '"group":"world"')
 _P2P_KINDS = ("pp", "cp")
-_KEY = ["kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step"]
+# group: the NCCL process group of inferred ops ("" for contract ranges, which carry none)
+_KEY = ["kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "group"]
 
 
 def _int(col: pd.Series, fill: int = -1) -> np.ndarray:
@@ -56,6 +58,7 @@ def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
         "dst": np.where(send, peer, rank),
         "mb": _int(ev["mb"]), "chunk": _int(ev["chunk"]), "ring_step": _int(ev["ring_step"]),
         "layer": _int(ev["layer"]), "step": ev["step"].to_numpy(np.int64),
+        "group": ev["pg_name"].astype(object).fillna("").astype(str).to_numpy(),
         "bytes": _int(ev["bytes"], 0),
         # GPU traces: when the transfer ran on the stream, not when the host launched it
         "start_ns": start, "end_ns": end,
@@ -104,6 +107,14 @@ def match_p2p(events: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     pairs["transfer_ns"] = pairs["recv_end_ns"] - np.maximum(pairs["send_start_ns"], pairs["recv_start_ns"])
     pairs = pairs.sort_values(["send_start_ns", "send_index"], kind="stable").reset_index(drop=True)
     warnings = []
+    sizes = m[(m["bytes_s"] > 0) & (m["bytes_r"] > 0) & (m["bytes_s"] != m["bytes_r"])]
+    if len(sizes):  # pairing by order went wrong somewhere (NCCL ops carry nelems x dtype)
+        row = sizes.iloc[0]
+        warnings.append(
+            f"{len(sizes)} p2p pairs differ in size between send and recv (first: {row['src']} -> "
+            f"{row['dst']} step {row['step']}: {row['bytes_s']} vs {row['bytes_r']} bytes); a peer's "
+            "trace may miss ops, so later pairs on that link may be off"
+        )
     for side, rest in (("send", rest_s), ("recv", rest_r)):
         if len(rest):
             row = rest.iloc[0]
@@ -181,6 +192,8 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
     })
     parts = [_instances(host_calls, "range")]
     nccl = events[(events["is_nccl"] & events["collective"].notna() & events["group_ranks"].notna()).to_numpy()]
+    p2p = [c for c in nccl["collective"].astype("category").cat.categories if is_p2p_collective(c)]
+    nccl = nccl[~nccl["collective"].isin(p2p).to_numpy()]  # send/recv kernels pair as p2p instead
     if len(nccl):
         group = nccl["group_ranks"].astype(str).map(_parse_ranks)
         ok = group.map(bool).to_numpy()

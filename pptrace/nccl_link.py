@@ -92,3 +92,185 @@ def link_nccl_kernels(df: pd.DataFrame) -> int:
             col.loc[list(values)] = [int(v) for v in values.values()]
             df[field] = col
     return filled
+
+
+# -------------------------------------------------------------------------------------------
+# pipeline p2p of plain NCCL traces
+# -------------------------------------------------------------------------------------------
+#: bytes per element of the dtypes PyTorch writes in record_param_comms ("Float", "BFloat16")
+_ITEMSIZE = {
+    "bool": 1, "byte": 1, "char": 1, "uint8": 1, "int8": 1, "half": 2, "bfloat16": 2, "short": 2,
+    "int16": 2, "uint16": 2, "complexhalf": 4, "float": 4, "int": 4, "int32": 4, "uint32": 4,
+    "double": 8, "long": 8, "int64": 8, "uint64": 8, "complexfloat": 8, "complexdouble": 16,
+}
+#: what a SendRecv kernel launched by batch_isend_irecv (endCoalescing) is recorded as
+COALESCED_P2P = "batch_isend_irecv"
+
+
+def _itemsize(dtype) -> int | None:
+    if not isinstance(dtype, str):
+        return None
+    key = dtype.strip().strip('"').lower()
+    if key.startswith("float8"):
+        return 1
+    return _ITEMSIZE.get(key)
+
+
+def _p2p_side(collective: pd.Series) -> np.ndarray:
+    """"send" / "recv" / "" per row of a categorical "Collective name" column (decided once
+    per category, not per row)."""
+    cats = collective.cat.categories
+    side = np.array([c.strip('"').lower() if isinstance(c, str) and c.strip('"').lower() in ("send", "recv")
+                     else "" for c in cats] + [""], dtype=object)
+    return side[collective.cat.codes.to_numpy()]  # code -1 (null) takes the last entry
+
+
+def _set(df: pd.DataFrame, column: str, rows: np.ndarray, values) -> None:
+    """df.loc[rows, column] = values, adding categories to a categorical column first."""
+    if isinstance(df[column].dtype, pd.CategoricalDtype):
+        new = pd.unique(pd.Series(np.atleast_1d(np.asarray(values, dtype=object))))
+        missing = [v for v in new if v not in df[column].cat.categories]
+        if missing:
+            df[column] = df[column].cat.add_categories(missing)
+    df.loc[rows, column] = values
+
+
+def _covered(starts: np.ndarray, ends: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Whether each instant ``at`` lies inside one of the (properly nesting) ranges."""
+    if len(starts) == 0:
+        return np.zeros(len(at), bool)
+    order = np.argsort(starts, kind="stable")
+    starts, reach = starts[order], np.maximum.accumulate(ends[order])
+    i = np.searchsorted(starts, at, side="right") - 1
+    return (i >= 0) & (reach[np.clip(i, 0, None)] >= at)
+
+
+def _peers(ops: pd.DataFrame, rank: int, is_send: np.ndarray) -> np.ndarray:
+    """Global rank of each op's peer: "Dst Rank" of a send, "Src Rank" of a recv (PyTorch
+    writes them since mid-2024); before that, only a group of two names its other member."""
+    peer = np.where(is_send, ops["dst_rank"].astype("Float64").to_numpy(np.float64, na_value=np.nan),
+                    ops["src_rank"].astype("Float64").to_numpy(np.float64, na_value=np.nan))
+    for i in np.flatnonzero(np.isnan(peer)):
+        members = [int(x) for x in str(ops["group_ranks"].iloc[i]).strip("[]() ").split(",") if x.strip().isdigit()]
+        if len(members) == 2 and rank in members:
+            peer[i] = members[1 - members.index(rank)]
+    return peer
+
+
+def _kernel_of_ops(df: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, list]:
+    """For each send/recv op (record_param_comms rows), the row of the NCCL kernel it
+    launched (-1 if none), and the coalesced kernels found: (kernel row, its ops' rows).
+
+    A plain send/recv launches its kernel inside its own record_param_comms. Inside
+    batch_isend_irecv (NCCL group) it launches nothing: one kernel is launched at
+    endCoalescing, outside every op's scope, for all the ops posted since the group began.
+    So the ops without a launch of their own belong to the next NCCL kernel their thread
+    launches outside any record_param_comms, provided no other collective came between."""
+    host = (df["lane_kind"] == "host").to_numpy()
+    kern = df[(df["is_nccl"] & df["correlation"].notna()).to_numpy()]
+    launch = df[host & (df["category"] == "runtime").to_numpy()
+                & df["correlation"].isin(kern["correlation"]).to_numpy()]
+    kernel_row = pd.Series(kern.index.to_numpy(), index=kern["correlation"].to_numpy(np.int64))
+    kernel_row = kernel_row[~kernel_row.index.duplicated()]
+    rpc = df[host & (df["name"] == "record_param_comms").to_numpy()]
+    # a scope around endCoalescing itself (if a PyTorch version records one) opens no new op
+    rpc = rpc[~rpc["collective"].astype(str).str.contains("coalesced", case=False).to_numpy()]
+    out = np.full(len(ops), -1, dtype=np.int64)
+    coalesced = []
+    for (pid, tid), mine in ops.groupby(["pid", "tid"], sort=False):
+        pos = ops.index.get_indexer(mine.index)
+        calls = launch[(launch["pid"] == pid).to_numpy() & (launch["tid"] == tid).to_numpy()]
+        calls = calls.sort_values("start_ns", kind="stable")
+        c_start, c_end = calls["start_ns"].to_numpy(), calls["end_ns"].to_numpy()
+        c_kernel = kernel_row.reindex(calls["correlation"].to_numpy(np.int64)).to_numpy()
+        # a launch inside the op's own scope: its kernel
+        s, e = mine["start_ns"].to_numpy(), mine["end_ns"].to_numpy()
+        j = np.searchsorted(c_start, s, side="left")
+        inside = (j < len(calls)) & (c_end[np.clip(j, 0, max(len(calls) - 1, 0))] <= e) if len(calls) else np.zeros(len(s), bool)
+        out[pos[inside]] = c_kernel[j[inside]]
+        # the others: by order, to the next launch outside every record_param_comms
+        theirs = rpc[(rpc["pid"] == pid).to_numpy() & (rpc["tid"] == tid).to_numpy()]
+        free = ~_covered(theirs["start_ns"].to_numpy(), theirs["end_ns"].to_numpy(), c_start)
+        pending_ops = set(mine.index[~inside])
+        timeline = sorted(
+            [(int(t), 1, int(i)) for t, i in zip(theirs["start_ns"], theirs.index)]
+            + [(int(t), 0, int(k)) for t, k, ok in zip(c_start, np.arange(len(calls)), free) if ok])
+        batch: list = []
+        for _, is_op, i in timeline:
+            if is_op:
+                if i in pending_ops:
+                    batch.append(i)
+                else:
+                    batch = []  # a collective, or a send/recv with its own kernel: no group open
+            elif batch:
+                row = int(c_kernel[i])
+                out[ops.index.get_indexer(batch)] = row
+                coalesced.append((row, list(batch)))
+                batch = []
+    return out, coalesced
+
+
+def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) -> int:
+    """Pipeline p2p of a plain NCCL trace (in place): every send/recv ``record_param_comms``
+    with its kernel becomes a ``pp`` row as a contract range would (op send_*/recv_*, peer =
+    the peer's global rank, bytes from nelems x dtype, category p2p, inferred=True), and its
+    ``correlation`` is set to its kernel's, so that projection.gpu_extent gives it the
+    kernel's times: matching (match.py) then pairs sends with recvs FIFO per (group, src,
+    dst, step) and wait/transfer come from the kernels, exactly as for contract ranges.
+
+    NCCL does not say whether a message is an activation or a gradient: the direction is
+    read from rank order (to a higher global rank: fwd), a guess that is the same on both
+    sides of every pair, which is all the pairing needs; the wrap-around of interleaved
+    schedules (last stage to first) reads as bwd. Ops nested in a contract pp range carry
+    a pptrace range already and are left alone. Returns how many ops were inferred."""
+    host = (df["lane_kind"] == "host").to_numpy()
+    base = _p2p_side(df["collective"])
+    sel = host & (df["name"] == "record_param_comms").to_numpy() & (base != "")
+    if not sel.any():
+        return 0
+    tagged = df[host & (df["category"] == "p2p").to_numpy() & df["peer"].notna().to_numpy() & ~df["inferred"].to_numpy()]
+    if len(tagged):
+        inside = np.zeros(int(sel.sum()), bool)
+        ops = df[sel]
+        for (pid, tid), grp in tagged.groupby(["pid", "tid"], sort=False):
+            same = ((ops["pid"] == pid) & (ops["tid"] == tid)).to_numpy()
+            inside[same] |= _covered(grp["start_ns"].to_numpy(), grp["end_ns"].to_numpy(), ops["start_ns"].to_numpy()[same])
+        sel[np.flatnonzero(sel)[inside]] = False
+    ops = df[sel].sort_values("start_ns", kind="stable")
+    if ops.empty:
+        return 0
+    is_send = base[ops.index.to_numpy()] == "send"
+    peer = _peers(ops, rank, is_send)
+    kernel, coalesced = _kernel_of_ops(df, ops)
+    ok = ~np.isnan(peer) & (kernel >= 0)
+    if warnings is not None and (~ok).any():
+        no_peer, no_kernel = int(np.isnan(peer).sum()), int((kernel < 0).sum())
+        warnings.append(
+            f"{int((~ok).sum())} NCCL send/recv ops are not pipeline p2p pairs: {no_peer} without a peer "
+            f"(their record_param_comms lacks Dst Rank / Src Rank: PyTorch before 2.4), {no_kernel} "
+            "without their kernel (profile with ProfilerActivity.CUDA)")
+    ops, is_send, peer, kernel = ops[ok], is_send[ok], peer[ok].astype(np.int64), kernel[ok]
+    if ops.empty:
+        return 0
+    rows = ops.index.to_numpy()
+    forward = np.where(is_send, peer > rank, peer < rank)
+    op = np.where(is_send, np.where(forward, "send_fwd", "send_bwd"), np.where(forward, "recv_fwd", "recv_bwd"))
+    nelems = ops["in_nelems"].fillna(ops["out_nelems"]).astype("Float64").to_numpy(np.float64, na_value=np.nan)
+    size = np.array([_itemsize(d) or np.nan for d in ops["dtype"].astype(object)], dtype=np.float64)
+    nbytes = pd.array(nelems * size, dtype="Float64").astype("Int64")  # NaN (dtype unknown) -> NA
+    _set(df, "kind", rows, "pp")
+    _set(df, "op", rows, op)
+    _set(df, "category", rows, "p2p")
+    df.loc[rows, "peer"] = peer
+    df.loc[rows, "bytes"] = nbytes
+    df.loc[rows, "correlation"] = df.loc[kernel, "correlation"].to_numpy()
+    df.loc[rows, "inferred"] = True
+    # the coalesced kernel is p2p, not whatever range was open at endCoalescing ("nccl:coalesced")
+    for row, members in coalesced:
+        if not is_p2p_collective(df.at[row, "collective"]):
+            _set(df, "collective", np.array([row]), COALESCED_P2P)
+        for field in ("group_ranks", "pg_name"):
+            values = {str(df.at[m, field]) for m in members if not pd.isna(df.at[m, field])}
+            if len(values) == 1 and pd.isna(df.at[row, field]):
+                _set(df, field, np.array([row]), values.pop())
+    return len(rows)

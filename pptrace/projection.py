@@ -15,19 +15,30 @@ import pandas as pd
 def gpu_extent(events: pd.DataFrame, rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(start_ns, end_ns, projected) for ``rows`` (host ranges, a subset of ``events``):
     the union span of their gpu_user_annotation projections where they have one (same rank
-    and External id), else their own times."""
+    and External id), else of the NCCL kernel with their correlation (same rank), else
+    their own times."""
     start = rows["start_ns"].to_numpy(np.int64).copy()
     end = rows["end_ns"].to_numpy(np.int64).copy()
     found = np.zeros(len(rows), bool)
     if "gpu_annotation" not in events.columns or rows.empty:
         return start, end, found
     ann = events[events["gpu_annotation"].to_numpy() & events["external_id"].notna().to_numpy()]
-    if ann.empty:
-        return start, end, found
-    span = ann.groupby(["rank", "external_id"], observed=True).agg(s=("start_ns", "min"), e=("end_ns", "max"))
-    keys = pd.MultiIndex.from_arrays([rows["rank"].to_numpy(), rows["external_id"].to_numpy()])
-    got = span.reindex(keys)
-    found = got["s"].notna().to_numpy()
-    start[found] = got["s"].to_numpy()[found].astype(np.int64)
-    end[found] = got["e"].to_numpy()[found].astype(np.int64)
+    _take(ann, "external_id", rows, start, end, found)
+    # NCCL send/recv ops of plain traces (nccl_link.infer_nccl_p2p) carry their kernel's
+    # correlation: Kineto projects no range around them, the kernel is their extent
+    if {"correlation", "is_nccl"} <= set(events.columns) and (~found).any() and rows["correlation"].notna().any():
+        _take(events[events["is_nccl"].to_numpy() & events["correlation"].notna().to_numpy()],
+              "correlation", rows, start, end, found)
     return start, end, found
+
+
+def _take(gpu: pd.DataFrame, key: str, rows: pd.DataFrame, start, end, found) -> None:
+    """Rows not yet found whose (rank, key) has GPU events: their union span (in place)."""
+    if gpu.empty:
+        return
+    span = gpu.groupby(["rank", key], observed=True).agg(s=("start_ns", "min"), e=("end_ns", "max"))
+    got = span.reindex(pd.MultiIndex.from_arrays([rows["rank"].to_numpy(), rows[key].to_numpy()]))
+    hit = got["s"].notna().to_numpy() & ~found
+    start[hit] = got["s"].to_numpy()[hit].astype(np.int64)
+    end[hit] = got["e"].to_numpy()[hit].astype(np.int64)
+    found |= hit

@@ -104,7 +104,7 @@ def partition_run(view: RunView, acts: dict | None = None, pairs=None) -> list[S
     acts = acts if acts is not None else activities(view)
     if pairs is None:
         pairs = match_pairs(view)
-    split = split_by_rank(*pairs)
+    split = split_by_rank(*pairs, kernels=any(a.gpu for a in acts.values()))
     windows = pipeline_windows(view)
     # GPU ranks are partitioned on their GPU timeline: see gpu.py for why its step windows
     gpu_windows = gpu_step_windows(view.events, set(view.steps) if view.steps else None) \

@@ -58,7 +58,7 @@ def match_pairs(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
         known = set(ev["index"])
         if set(given["send_index"]) <= known and set(given["recv_index"]) <= known:
             paired = set(given["send_index"]) | set(given["recv_index"])
-            out = _with_wait_transfer(given.reset_index(drop=True), _busy(view))
+            out = _with_wait_transfer(given.reset_index(drop=True), _busy(view), _on_gpu(view))
             return out[[c for c in PAIR_COLUMNS if c in out.columns]], ev[~ev["index"].isin(paired)]
     key = ["src", "dst", "direction", "mb", "chunk"]
     ev["nth"] = ev.groupby(key + ["is_send"]).cumcount()
@@ -76,7 +76,7 @@ def match_pairs(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
         "send_start_ns": send_start, "send_end_ns": pairs["end_ns_s"].to_numpy(),
         "recv_start_ns": recv_start, "recv_end_ns": recv_end,
     })
-    return _with_wait_transfer(out, _busy(view))[list(PAIR_COLUMNS)].reset_index(drop=True), unmatched
+    return _with_wait_transfer(out, _busy(view), _on_gpu(view))[list(PAIR_COLUMNS)].reset_index(drop=True), unmatched
 
 
 def _moving(pairs: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +129,7 @@ def _exchanges(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ready: np.n
     return last
 
 
-def _with_wait_transfer(pairs: pd.DataFrame, busy: dict | None = None) -> pd.DataFrame:
+def _with_wait_transfer(pairs: pd.DataFrame, busy: dict | None = None, kernels: bool = False) -> pd.DataFrame:
     """wait_ns: how long the recv was posted before the send, less the time the receiver spent
     in its own passes meanwhile (a recv posted early and waited later, as torch.distributed.
     pipelining and overlap_p2p_comm do, waits only while the receiver has nothing else to
@@ -139,16 +139,23 @@ def _with_wait_transfer(pairs: pd.DataFrame, busy: dict | None = None) -> pd.Dat
     for another message (split_by_rank), and its end says nothing about this one before.
     ``busy``: rank -> Intervals of its passes. A pass run between posting and waiting
     (ZB-H1's W, overlap_p2p_comm) hides when the message landed: only the time that side
-    was not computing counts, the transfer it exposed."""
+    was not computing counts, the transfer it exposed. ``kernels``: the sides are NCCL kernels
+    (GPU traces), and the earlier of two spins until its peer's starts, a send as much as a
+    recv: wait_ns is the gap between their starts (0 for a send done before its recv began);
+    kernels on other streams, or the ops of one coalesced kernel, move data independently:
+    no exchange holds a message back."""
     t0, t1 = _moving(pairs)
     n = len(pairs)
-    last = _exchanges(*_sides(pairs))
+    last = _sides(pairs)[3] if kernels else _exchanges(*_sides(pairs))
     send_first = pairs["send_end_ns"].to_numpy() == t1
     a = np.minimum(np.maximum(t0, np.where(send_first, last[:n], last[n:])), t1)
     transfer = t1 - a
     recv_start = pairs["recv_start_ns"].to_numpy()
     posted = np.maximum(pairs["send_start_ns"].to_numpy(), recv_start)
     wait = posted - recv_start
+    if kernels:
+        send_start, send_end = pairs["send_start_ns"].to_numpy(), pairs["send_end_ns"].to_numpy()
+        wait = np.where(send_end < recv_start, 0, posted - np.minimum(send_start, recv_start))
     if busy:
         _less_busy(transfer, np.where(send_first, pairs["src"].to_numpy(), pairs["dst"].to_numpy()), a, t1, busy)
         _less_busy(wait, pairs["dst"].to_numpy(), recv_start, posted, busy)
@@ -163,6 +170,10 @@ def _less_busy(span: np.ndarray, rank: np.ndarray, start: np.ndarray, end: np.nd
             span[mine] -= busy[int(r)].covered(start[mine], end[mine])
 
 
+def _on_gpu(view: RunView) -> bool:
+    return bool((view.events["lane_kind"] == "gpu").any())
+
+
 def _busy(view: RunView) -> dict:
     """rank -> Intervals of its host passes; empty for GPU traces, whose host ranges only
     launch work (the p2p ranges there are GPU extents)."""
@@ -174,7 +185,7 @@ def _busy(view: RunView) -> dict:
             for r, g in sel.groupby("rank", observed=True)}
 
 
-def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:
+def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = False) -> dict:
     """rank -> (wait Intervals, transfer Intervals) over that rank's own p2p ranges.
 
     A pair moves data from when both sides have posted until the first side completes
@@ -186,14 +197,15 @@ def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame) -> dict:
     message moves (the simulator's rendezvous model). A send the transport buffered (done
     before its recv was posted) holds nothing up. Waits are bubble. Ranges without a
     matched peer cannot be split and count as transfer (without the peer nothing shows
-    that it was waiting)."""
+    that it was waiting). ``kernels``: NCCL kernels (GPU traces) form no exchanges: each
+    message moves once its two kernels have started (see _with_wait_transfer)."""
     t0, t1 = _moving(pairs)
     free_start, free_end = unmatched["start_ns"].to_numpy(), unmatched["end_ns"].to_numpy()
     free = (unmatched["rank"].to_numpy(), free_start, free_end, np.full(len(unmatched), _UNMATCHED))
     rank, start, end, ready = (np.concatenate([side, f]).astype(np.int64) for side, f in zip(_sides(pairs), free))
     move0 = np.concatenate([t0, t0, free_start]).astype(np.int64)
     move1 = np.concatenate([t1, t1, free_end]).astype(np.int64)
-    last = _exchanges(rank, start, end, ready)
+    last = ready if kernels else _exchanges(rank, start, end, ready)
     a = np.clip(np.maximum(move0, last), start, end)
     b = np.clip(move1, start, end)
     out = {}
