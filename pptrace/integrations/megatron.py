@@ -177,6 +177,7 @@ class _Tracker:
         self.pp = self.pp_rank = None
         self.forward_order = None  # [(mb, chunk)] of the k-th forward; None: 1F1B (mb = k)
         self.recvs = {"recv_fwd": 0, "recv_bwd": 0}
+        self._recv_orders = None  # op -> [(mb, chunk)] this rank receives, in order
         self.outputs: dict = {}  # id(forward output) -> (mb, chunk)
         self.grads: dict = {}  # id(input grad a backward returned) -> (mb, chunk)
         self.actions: list = []
@@ -196,6 +197,7 @@ class _Tracker:
         if microbatches is not None:
             self.microbatches = microbatches
         self.recvs = {"recv_fwd": 0, "recv_bwd": 0}
+        self._recv_orders = None
         self.outputs.clear()
         self.grads.clear()
         self.actions = []
@@ -241,12 +243,14 @@ class _Tracker:
         self.recvs[op] = k + 1
         if self.forward_order is None:  # 1F1B: the k-th recv carries microbatch k
             return k, 0
-        v = self.vpp
-        if op == "recv_fwd":
-            order = [(mb, c) for mb, c in self.forward_order if not (self.pp_rank == 0 and c == 0)]
-        else:
-            order = [(mb, v - 1 - c) for mb, c in self.forward_order]
-            order = [(mb, c) for mb, c in order if not (self.pp_rank == self.pp - 1 and c == v - 1)]
+        if self._recv_orders is None:  # once per schedule call: recvs are per microbatch
+            v, first, last = self.vpp, self.pp_rank == 0, self.pp_rank == self.pp - 1
+            backward = [(mb, v - 1 - c) for mb, c in self.forward_order]
+            self._recv_orders = {
+                "recv_fwd": [(mb, c) for mb, c in self.forward_order if not (first and c == 0)],
+                "recv_bwd": [(mb, c) for mb, c in backward if not (last and c == v - 1)],
+            }
+        order = self._recv_orders[op]
         return order[k] if k < len(order) else (None, None)
 
 
@@ -421,6 +425,8 @@ class MegatronInstrumentation:
             out["layout"] = layout.to_dict()
         if t.schedule is not None:
             out.update(schedule=t.schedule, microbatches=t.microbatches, vpp=t.vpp)
+        if t.schedule is None:  # no pipeline schedule ran (pp=1): no stages, no action order
+            return out
         if pp_ranks:
             out["stage_ranks"] = [pp_ranks[s % len(pp_ranks)] for s in range(len(pp_ranks) * t.vpp)]
         actions = t.complete_actions()
