@@ -193,7 +193,10 @@ def test_remove_restores_the_originals():
 
 
 def test_profile_turns_it_on_and_off(tmp_path):
+    """On inside profile, off after; a process that imported Megatron but ran none of its
+    schedules claims nothing in the metadata block."""
     import pptrace
+    from pptrace.load import load_rank
 
     before = _originals()
     with pptrace.profile(tmp_path / "run", steps="0-0", integrations=("megatron",)) as prof:
@@ -201,6 +204,9 @@ def test_profile_turns_it_on_and_off(tmp_path):
             before["megatron.core.pipeline_parallel.schedules", "forward_step"]
         prof.step()
     assert _originals() == before
+    _, meta = load_rank(tmp_path / "run" / "traces" / "rank0.json.gz")
+    block = meta["pptrace"]
+    assert "integration" not in block and block["schedule"] is None
 
 
 @pytest.mark.parametrize("breakage, message", [

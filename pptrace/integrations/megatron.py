@@ -419,6 +419,8 @@ class MegatronInstrumentation:
     # -- what the run is ------------------------------------------------------------------------
     def metadata(self) -> dict:
         t = self._tracker
+        if t.schedule is None and not (t.actions or t.last_actions):
+            return {}  # imported, but none of its schedules ran here: nothing to claim
         out = {"integration": {"name": NAME, "version": _version()}}
         layout, pp_ranks = _layout()
         if layout is not None:
