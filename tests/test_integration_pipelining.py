@@ -296,3 +296,23 @@ def test_a_failing_hook_stops_tagging_not_training():
         second = handle._compute_hook("forward_one_chunk", Stage.forward_one_chunk, Stage(), 4, ())
     assert (first, second) == (("ran", 3), ("ran", 4))
     assert len([w for w in caught if "stopped tagging" in str(w.message)]) == 1
+
+
+def test_hooks_take_torch_arguments_by_keyword_too():
+    from pptrace.integrations import pipelining
+
+    class Stage:
+        stage_index, num_stages, group_size = 5, 8, 4
+        stage_index_to_group_rank = {s: s % 4 for s in range(8)}
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            return bwd_chunk_id, full_backward
+
+    handle = pipelining.PipeliningInstrumentation.__new__(pipelining.PipeliningInstrumentation)
+    handle._broken, handle._pending = False, set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = handle._compute_hook("backward_one_chunk", Stage.backward_one_chunk, Stage(), bwd_chunk_id=2,
+                                   full_backward=False)
+    assert out == (2, False)
+    assert pipelining._local_chunk(Stage(), 5) == 1 and pipelining._local_chunk(Stage(), 0) == 0

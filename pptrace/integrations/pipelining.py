@@ -232,29 +232,36 @@ class PipeliningInstrumentation:
             entry.close()
 
     # -- hooks ------------------------------------------------------------------------------
-    def _compute_hook(self, fn, original, stage, chunk_id, *args, **kwargs):
+    @staticmethod
+    def _chunk_id(fn, args, kwargs):
+        """(stage, microbatch) of a stage method's call, however torch passed them."""
+        return args[0], (args[1] if len(args) > 1 else kwargs[_STAGE_HOOKS[fn][0]])
+
+    def _compute_hook(self, fn, original, *args, **kwargs):
         scope = nullcontext()
         if not self._broken:
             try:
                 self._poll()
+                stage, mb = self._chunk_id(fn, args, kwargs)
                 if fn == "forward_one_chunk":
                     op = "fwd"
                 elif fn == "backward_weight_one_chunk":
                     op = "bwd_weight"
-                else:
-                    full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+                else:  # backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, ...)
+                    full = kwargs.get("full_backward", args[3] if len(args) > 3 else True)
                     op = "bwd" if full else "bwd_input"
-                scope = region(f"compute:{op}", mb=chunk_id, chunk=_local_chunk(stage, stage.stage_index))
+                scope = region(f"compute:{op}", mb=mb, chunk=_local_chunk(stage, stage.stage_index))
             except Exception as exc:  # noqa: BLE001 - never break the user's training
                 self._fail(fn, exc)
         with scope:
-            return original(stage, chunk_id, *args, **kwargs)
+            return original(*args, **kwargs)
 
-    def _ops_hook(self, fn, original, stage, chunk_id, *args, **kwargs):
-        ops = original(stage, chunk_id, *args, **kwargs)
+    def _ops_hook(self, fn, original, *args, **kwargs):
+        ops = original(*args, **kwargs)
         if not self._broken:
             try:
-                self._tag(stage, fn, chunk_id, ops)
+                stage, mb = self._chunk_id(fn, args, kwargs)
+                self._tag(stage, fn, mb, ops)
             except Exception as exc:  # noqa: BLE001
                 self._fail(fn, exc)
         return ops
@@ -273,9 +280,10 @@ class PipeliningInstrumentation:
                     "bytes": _nbytes(p2p.tensor)}
             setattr(p2p, _TAG_ATTR, (op_name, tags))
 
-    def _post_hook(self, fn, original, p2p_ops, *args, **kwargs):
+    def _post_hook(self, fn, original, *args, **kwargs):
+        p2p_ops = args[0] if args else kwargs.get("p2p_ops")
         if self._broken or not p2p_ops:
-            return original(p2p_ops, *args, **kwargs)
+            return original(*args, **kwargs)
         regions = []
         try:
             self._poll()
@@ -291,9 +299,9 @@ class PipeliningInstrumentation:
             for r in regions:
                 if r is not None:
                     r.__exit__(None, None, None)
-            return original(p2p_ops, *args, **kwargs)
+            return original(*args, **kwargs)
         try:
-            works = original(p2p_ops, *args, **kwargs)
+            works = original(*args, **kwargs)
         except BaseException:
             for r in reversed(regions):
                 if r is not None:
