@@ -21,9 +21,13 @@ kind, op           category   from :func:`pptrace.naming.parse_name`, else Megat
                               names (:mod:`pptrace.megatron_names`); null for other names
 mb, chunk, peer,   Int64      the contract-1 tags of that name (nullable). ``ring_step`` is the
 ring_step, layer,             ``step=`` tag (CP ring step), renamed so that it cannot be mistaken
-bucket, bytes                 for the profiler step below
+bucket, bytes                 for the profiler step below. ``gloo:send`` / ``gloo:recv`` ranges
+                              carry ``bytes`` from their "Input Dims" / "Input type"
 tags               category   JSON object of the remaining tags (e.g. ``{"what":"grad_norm"}``,
-                              ``{"op":"all_reduce"}`` for waits), null when there are none
+                              ``{"op":"all_reduce"}`` for waits), null when there are none;
+                              on the ``c10d::send`` / ``c10d::recv_`` posts of plain traces
+                              ``{"group_peer": g, "tag": t}`` from their "Concrete Inputs"
+                              (record_shapes=True), g a rank of the op's process group
 category           category   one of :data:`CATEGORIES`, see below
 step               int32      N of the ``ProfilerStep#N`` range containing the event, -1 outside;
                               GPU work takes the step of the runtime call that launched it
@@ -80,7 +84,8 @@ from .nccl_link import infer_nccl_p2p, link_nccl_kernels
 
 # 2: NCCL kernels carry their launching collective (nccl_link), Megatron names classified
 # 3: src_rank / dst_rank of NCCL p2p, the inferred flag (plain traces)
-SCHEMA_VERSION = 3
+# 4: c10d send/recv posts carry their "Concrete Inputs" peer and tag, gloo p2p ranges bytes
+SCHEMA_VERSION = 4
 
 CATEGORIES = (
     "compute", "comm:tp", "comm:cp", "comm:dp", "comm:ep", "p2p", "wait", "step",
@@ -174,6 +179,9 @@ def tags_of(tags_json) -> dict:
 # -------------------------------------------------------------------------------------------
 # the raw fields the table is built from (typed decoding, see load.py)
 # -------------------------------------------------------------------------------------------
+_NO_RAW = msgspec.Raw(b"")
+
+
 class RawArgs(msgspec.Struct, gc=False):
     """The ``args`` keys the table uses; msgspec skips every other key without building it.
     Values stay untyped (Any): the checks below treat odd values as the dict path does."""
@@ -191,6 +199,11 @@ class RawArgs(msgspec.Struct, gc=False):
     src_rank: Any = msgspec.field(default=None, name="Src Rank")
     dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
     name: Any = None  # thread_name metadata events
+    # record_shapes=True puts these on every op; kept as raw JSON (no objects built) and
+    # decoded only for the few p2p rows (P2P_OP_NAMES) that need them
+    concrete: msgspec.Raw = msgspec.field(default=_NO_RAW, name="Concrete Inputs")
+    input_dims: msgspec.Raw = msgspec.field(default=_NO_RAW, name="Input Dims")
+    input_type: msgspec.Raw = msgspec.field(default=_NO_RAW, name="Input type")
 
 
 class RawEvent(msgspec.Struct, gc=False):
@@ -207,6 +220,7 @@ class RawEvent(msgspec.Struct, gc=False):
 
 
 _EMPTY_ARGS = RawArgs()
+_P2P_ARG_FIELDS = tuple(attrgetter(f) for f in ("concrete", "input_dims", "input_type"))
 _RPC_ATTRS = (
     ("Collective name", "collective"), ("Process Group Ranks", "group_ranks"),
     ("Process Group Name", "pg_name"), ("In msg nelems", "in_nelems"),
@@ -369,14 +383,14 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
     table."""
     parts: dict = {k: [] for k in ("pid", "tid", "name", "cat", "start", "dur", *_ARG_INTS)}
     names, cats = _Codes(bad=""), _Codes(bad=None)
-    rpc, threads = {}, {}
+    rpc, threads, p2p = {}, {}, {}
     dropped = 0
     n_before = 0
     for events, blob in slices:
         typed = bool(events) and type(events[0]) is RawEvent
         extract = _extract_structs if typed else _extract_dicts
         cols: dict = {}
-        x_index, ts, dur, n_dropped = extract(events, cols, rpc, threads, n_before)
+        x_index, ts, dur, n_dropped = extract(events, cols, rpc, threads, n_before, p2p)
         dropped += n_dropped
         parts["start"].append(_ts_ns(ts, events, x_index, blob, warnings, path))
         del events, ts
@@ -420,6 +434,7 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
     main_tid = _main_tid(df, gpu)
     _add_lanes(df, gpu, main_tid, threads)
     _add_rpc(df, rpc)
+    _add_p2p_args(df, p2p)
     link_nccl_kernels(df)
     _add_steps(df, gpu)
     infer_nccl_p2p(df, rank, warnings)  # plain NCCL traces: send/recv -> pp rows
@@ -435,7 +450,7 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
 _NO_ARGS: dict = {}
 
 
-def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before: int):
+def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before: int, p2p: dict):
     """One slice of event dicts -> ``cols`` (name, cat, pid, tid and _ARG_INTS: one list
     each, the slice's kept X events in order), rpc rows, thread names; returns
     (x_index, ts, dur, dropped)."""
@@ -467,6 +482,9 @@ def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before:
     cols["external_id"] = [a.get("External id") for a in args]
     for i in [i for i, a in enumerate(args) if "Collective name" in a]:
         rpc[n_before + i] = args[i]
+    for i in _p2p_positions(cols["name"]):
+        a = args[i]
+        p2p[n_before + i] = p2p_args(cols["name"][i], a.get("Concrete Inputs"), a.get("Input Dims"), a.get("Input type"))
     return x_index, ts, [e.get("dur", 0) for e in xs], dropped
 
 
@@ -474,7 +492,7 @@ _X_FIELDS = tuple(attrgetter(f) for f in ("name", "cat", "pid", "tid", "ts", "du
 _ARG_FIELDS = tuple(attrgetter(f) for f in ("stream", "correlation", "external_id", "collective"))
 
 
-def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_before: int):
+def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_before: int, p2p: dict):
     """:func:`_extract_dicts` for a slice of :class:`RawEvent` (absent keys are None, like
     ``dict.get``; ``dur`` defaults to 0 and "Collective name" to UNSET, as there). Columns
     are read in C (map + attrgetter), and x_index is None: only the rare exact-ts path
@@ -499,6 +517,8 @@ def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_befor
     if collective.count(unset) != len(collective):
         for i in [i for i, c in enumerate(collective) if c is not unset]:
             rpc[n_before + i] = {key: getattr(args[i], attr) for key, attr in _RPC_ATTRS}
+    for i in _p2p_positions(name):
+        p2p[n_before + i] = p2p_args(name[i], *(_raw_value(get(args[i])) for get in _P2P_ARG_FIELDS))
     return None, ts, dur, dropped
 
 
@@ -579,6 +599,86 @@ def _add_rpc(df: pd.DataFrame, rpc: dict) -> None:
             if len(rows):
                 codes[rows] = small.codes
             df[column] = pd.Categorical.from_codes(codes, dtype=small.dtype)
+
+
+# -------------------------------------------------------------------------------------------
+# p2p ops of plain traces: what torch writes on them with record_shapes=True
+# -------------------------------------------------------------------------------------------
+#: The host ops of a c10d p2p op: the post (``c10d::send`` / ``c10d::recv_``, whose
+#: "Concrete Inputs" are ["", "", "<peer group rank>", "<tag>"]) and gloo's range from the
+#: post until wait() returns ("Input Dims" / "Input type" give the message size).
+P2P_OP_NAMES = frozenset({"c10d::send", "c10d::recv_", "gloo:send", "gloo:recv"})
+#: torch.profiler's "Input type" names -> bytes per element
+DTYPE_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
+    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+}
+
+
+def _p2p_positions(names: list) -> list:
+    """Positions of P2P_OP_NAMES in a slice's names (set lookups in C: this runs per event)."""
+    try:
+        return list(compress(range(len(names)), map(P2P_OP_NAMES.__contains__, names)))
+    except TypeError:  # an unhashable name (a list): test value by value
+        return [i for i, n in enumerate(names) if type(n) is str and n in P2P_OP_NAMES]
+
+
+def _raw_value(raw):
+    if not raw:
+        return None
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+
+
+def _small_int(text):
+    if type(text) is int:
+        return text
+    if type(text) is str and text.strip().lstrip("-").isdigit():
+        return int(text)
+    return None
+
+
+def p2p_args(name: str, concrete, dims, types) -> dict | None:
+    """What a p2p op's args say: {"group_peer", "tag"} of a c10d post, {"bytes"} of a gloo
+    range; None when the args are absent (record_shapes=False) or odd."""
+    if name.startswith("c10d::"):
+        if not isinstance(concrete, list) or len(concrete) < 4:
+            return None
+        peer, tag = _small_int(concrete[2]), _small_int(concrete[3])
+        return None if peer is None else {"group_peer": peer, "tag": 0 if tag is None else tag}
+    if not (isinstance(dims, list) and isinstance(types, list)) or not dims or len(dims) != len(types):
+        return None
+    total = 0
+    for shape, dtype in zip(dims, types):
+        size = DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+        if size is None or not isinstance(shape, list) or not all(type(d) is int for d in shape):
+            return None
+        total += size * int(np.prod(shape, dtype=np.int64))
+    return {"bytes": total}
+
+
+def _add_p2p_args(df: pd.DataFrame, p2p: dict) -> None:
+    """c10d posts get tags {"group_peer": g, "tag": t} (the peer is a rank of the op's process
+    group, which the trace does not name: pptrace.infer maps it to a global rank); gloo
+    ranges get ``bytes``."""
+    found = {row: args for row, args in p2p.items() if args}
+    if not found:
+        return
+    sized = {row: a["bytes"] for row, a in found.items() if "bytes" in a}
+    if sized:
+        col = df["bytes"].copy()
+        col.iloc[list(sized)] = list(sized.values())
+        df["bytes"] = col
+    peers = {row: orjson.dumps(a, option=orjson.OPT_SORT_KEYS).decode() for row, a in found.items() if "group_peer" in a}
+    if peers:
+        tags = df["tags"].cat.add_categories(sorted(set(peers.values()) - set(df["tags"].cat.categories)))
+        values = pd.Series(list(peers.values()), dtype=tags.dtype)
+        codes = tags.cat.codes.to_numpy().copy()
+        codes[list(peers)] = values.cat.codes.to_numpy()
+        df["tags"] = pd.Categorical.from_codes(codes, dtype=tags.dtype)
 
 
 def _add_steps(df: pd.DataFrame, gpu: np.ndarray) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import align, match
+from . import align, infer, match
 from .errors import TraceError
 from .columnar import frame_from_tables
 from .load import find_trace_files, load_ranks, rank_of, read_header
@@ -38,6 +38,10 @@ class Run:
     schedule: str | None = None
     microbatches: int | None = None
     vpp: int | None = None
+    #: what pptrace inferred from a plain trace (no pptrace in the run) -> how, one line
+    #: each: keys among layout, peers, p2p, passes, schedule, microbatches, vpp; {} when
+    #: the traces said it all (pptrace.infer)
+    inferred: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -186,7 +190,10 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
         events = events[events["step"].isin(keep).to_numpy()].reset_index(drop=True)
         run_steps = [s for s in run_steps if s in keep]
     events = events.reset_index(drop=True)
-    return _finish(path, events, run_layout, metas, run_steps, warnings)
+    # a layout the user gave, or a pptrace block's with a pipeline, stands; otherwise a plain
+    # trace's pipeline may be inferred (infer.py)
+    known = layout is not None or run_layout.pp > 1
+    return _finish(path, events, run_layout, metas, run_steps, warnings, layout_known=known)
 
 
 def _check_spread(events, metas):
@@ -202,8 +209,18 @@ def _check_spread(events, metas):
         )
 
 
-def _finish(path, events, layout, metas, steps, warnings) -> Run:
+def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = True) -> Run:
     loaded = sorted(metas)
+    given = {f: _common(f, metas) for f in ("schedule", "microbatches", "vpp")}
+    found = infer.infer_run(events, metas, layout if layout_known else None)
+    inferred = {}
+    if found is not None:  # a plain trace: the pipeline and its work inferred (infer.py)
+        events, warnings = found.events, [*warnings, *found.warnings]
+        layout = found.layout or layout
+        inferred = {k: v for k, v in found.inferred.items() if given.get(k) is None}
+        for f in given:
+            given[f] = given[f] if given[f] is not None else getattr(found, f)
+    schedule, microbatches, vpp = given["schedule"], given["microbatches"], given["vpp"]
     instances, w_coll = match.match_collectives(events, layout, loaded)
     pairs, w_p2p = match.match_p2p(events)
     hosts = {rank: meta.get("hostname") for rank, meta in metas.items()}
@@ -220,6 +237,5 @@ def _finish(path, events, layout, metas, steps, warnings) -> Run:
     return Run(
         path=path, events=aligned, layout=layout, meta=metas, ranks=loaded, steps=steps,
         pairs=pairs, collectives=instances, offsets=offsets, warnings=warnings,
-        schedule=_common("schedule", metas), microbatches=_common("microbatches", metas),
-        vpp=_common("vpp", metas),
+        schedule=schedule, microbatches=microbatches, vpp=vpp, inferred=inferred,
     )

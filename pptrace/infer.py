@@ -1,0 +1,809 @@
+"""Plain traces (no pptrace in the run): find the pipeline and attribute its work.
+
+The one place that reads other libraries' names and the trace's structure. It turns what
+torch.distributed.pipelining (torchtitan) and gloo write into the contract-1 columns, so
+matching (match.py) and every analyzer work on a plain run as on an instrumented one, and
+marks each such row ``inferred``:
+
+- p2p: a ``gloo:send`` / ``gloo:recv`` range (main thread, from the post until ``wait()``
+  returns) becomes ``pp:send_<dir>`` / ``pp:recv_<dir>`` with the peer of the ``c10d::send``
+  / ``c10d::recv_`` post before it ("Concrete Inputs", a *group* rank: mapped to a global
+  rank through the pipeline group of ``distributedInfo.pg_config``, else the default group),
+  direction and mb from the ``PP:<stage>SEND_F<mb>`` range around the post where the
+  schedule names it, else from the stage order (towards a later stage: fwd) and FIFO order
+  per (step, src, dst, direction).
+- passes: ``PP:<stage><F|B|I|W><mb>``, ``PP:(<sub>;<sub>)OVERLAP_F_B`` (DualPipeV: split at
+  its first autograd op) and ``Forward i`` / ``Backward i`` (GPipe) become appended
+  ``compute:<op> mb= chunk=`` rows. Those ranges start with the wait on a recv posted
+  earlier (and GPipe's end with the next send's post), so a pass is the part of the range
+  after the last p2p range that *ends* inside it (that wait returned there) and before the
+  first post inside it. Schedules that name nothing (Schedule1F1B, Megatron) get passes from
+  the main thread's ops between p2p posts: after the wait returns, up to the last op;
+  autograd ops (``autograd::engine::evaluate_function``) are backward; mb by counting.
+- layout: the pipeline group of pg_config (Megatron's PIPELINE_MODEL_PARALLEL_GROUP,
+  DeviceMesh ``mesh_pp``), else the stage ids of ``PP:`` names, else the forward chain of
+  each rank's first send; schedule from the names (or the order of passes), microbatches
+  from the passes.
+
+The pass rows are appended rather than written over the foreign ranges because their
+times differ (the wait is cut off) and Schedule1F1B has no range to write on; the foreign
+rows stay as the trace has them. Everything inferred is listed in ``Inference.inferred``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from itertools import permutations
+
+import numpy as np
+import pandas as pd
+from pandas.api.types import union_categoricals
+
+from .analyzers.intervals import union
+from .events import COLUMNS, tags_of
+from .topology import DIMS, Layout
+
+_PASS = re.compile(r"^PP:(\d+)([FBIW])(\d+)$")
+_PP_P2P = re.compile(r"^PP:(\d+)(SEND|RECV)_([FB])(\d+)$")
+_OVERLAP = re.compile(r"^PP:\(((?:\d+[FBIW]\d+;?)+)\)OVERLAP_F_B$")
+_SUB = re.compile(r"(\d+)([FBIW])(\d+)")
+_GPIPE = re.compile(r"^(Forward|Backward) (\d+)$")
+_POSTS = {"c10d::send": True, "c10d::recv_": False}
+_WIRES = {"gloo:send": True, "gloo:recv": False}
+_AUTOGRAD = "autograd::engine::evaluate_function"
+_OPS = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
+_DIR = {"F": "fwd", "B": "bwd"}
+#: pg_desc of a process group -> the dim it spans (Megatron's group names, DeviceMesh's)
+_GROUP_DESC = {
+    "PIPELINE_MODEL_PARALLEL_GROUP": "pp", "TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "CONTEXT_PARALLEL_GROUP": "cp", "mesh_pp": "pp", "mesh_tp": "tp", "mesh_cp": "cp",
+}
+#: Inside a pass, a stretch this long in which the main thread runs no op is not compute
+#: (Python between ops): shorter ones are part of the pass.
+MIN_GAP_NS = 20_000
+NO_PEERS_HINT = ("profile with record_shapes=True (torch.profiler) so pptrace can pair p2p sends "
+                 "with recvs")
+
+
+@dataclass
+class Inference:
+    events: pd.DataFrame
+    layout: Layout | None = None       # None: nothing found, keep the loader's
+    schedule: str | None = None
+    microbatches: int | None = None
+    vpp: int | None = None
+    #: what was inferred -> how, one line each (Run.inferred)
+    inferred: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------------------
+# names: parsed once per distinct name
+# -------------------------------------------------------------------------------------------
+def _name_table(names: pd.Index) -> pd.DataFrame:
+    """One row per distinct event name: what it says (kind: pass, overlap, gpipe, pp_p2p,
+    post, wire, autograd or "" for nothing), stage, action letter, mb, is_send."""
+    rows = []
+    for name in names:
+        kind, stage, act, mb, send = "", -1, "", -1, False
+        if not isinstance(name, str):
+            rows.append((kind, stage, act, mb, send))
+            continue
+        if name in _POSTS:
+            kind, send = "post", _POSTS[name]
+        elif name in _WIRES:
+            kind, send = "wire", _WIRES[name]
+        elif name.startswith(_AUTOGRAD):
+            kind = "autograd"
+        elif name.startswith("PP:"):
+            if m := _PASS.match(name):
+                kind, stage, act, mb = "pass", int(m.group(1)), m.group(2), int(m.group(3))
+            elif m := _PP_P2P.match(name):
+                kind, stage, act, mb = "pp_p2p", int(m.group(1)), m.group(3), int(m.group(4))
+                send = m.group(2) == "SEND"
+            elif _OVERLAP.match(name):
+                kind = "overlap"
+            else:
+                kind = "pp_other"  # UNSHARD, RESHARD, REDUCE_GRAD: no pass
+        elif m := _GPIPE.match(name):
+            kind, act, mb = "gpipe", m.group(1)[0], int(m.group(2))
+        rows.append((kind, stage, act, mb, send))
+    return pd.DataFrame(rows, columns=["kind", "stage", "act", "mb", "send"])
+
+
+def _overlap_parts(name: str) -> list[tuple[int, str, int]]:
+    """``PP:(7F5;0B1)OVERLAP_F_B`` -> [(7, "F", 5), (0, "B", 1)]."""
+    return [(int(s), a, int(m)) for s, a, m in _SUB.findall(name.split(")")[0])]
+
+
+# -------------------------------------------------------------------------------------------
+# the entry point
+# -------------------------------------------------------------------------------------------
+def is_plain(events: pd.DataFrame) -> bool:
+    """No contract pass or p2p range on the host: nothing told pptrace what the work is."""
+    host = (events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy()
+    contract = events["category"].isin(["compute", "p2p"]).to_numpy() & ~events["inferred"].to_numpy()
+    return not (host & contract).any()
+
+
+def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None) -> Inference | None:
+    """The inference of a plain run's events (all ranks, one frame with a RangeIndex), or
+    None when the run has contract ranges or nothing this module knows. ``metas``: rank ->
+    load_rank meta (its ``distributed`` block has pg_config). ``layout``: the run's layout
+    when the user or a pptrace block gave it (then only its stages are used)."""
+    if events.empty or not is_plain(events):
+        return None
+    table = _name_table(events["name"].cat.categories)
+    codes = events["name"].cat.codes.to_numpy()
+    kind = np.where(codes >= 0, table["kind"].to_numpy(object)[codes], "")
+    main = (events["lane"].astype(str) == "main").to_numpy() & (events["step"].to_numpy() >= 0)
+    known = main & (kind != "")
+    if not (known & np.isin(kind, ["wire", "pass", "gpipe", "overlap"])).any():
+        return None
+    out = Inference(events=events)
+    rows = events.loc[known, ["rank", "pid", "tid", "step", "start_ns", "end_ns", "tags", "bytes"]].copy()
+    rows["kind"] = kind[known]
+    c = codes[known]
+    for col in ("stage", "act", "mb", "send"):
+        rows[col] = table[col].to_numpy()[c]
+    rows["name"] = events["name"].to_numpy()[known] if len(rows) else []
+
+    ops = _p2p_ops(rows, metas, out)
+    stage_of, pp, v = _pipeline(rows, ops, metas, out)
+    if layout is not None:
+        out.inferred.pop("layout", None)
+        stage_of, pp = {r: layout.coords(r).pp for r in range(layout.world_size)}, layout.pp
+    elif pp and pp > 1:
+        out.layout = _layout(stage_of, pp, _world(events, metas), metas, out)
+    if stage_of is not None:
+        ops = _directions(ops, stage_of, pp)
+    ops.attrs["pp"] = pp
+    not_work = np.isin(kind, ["post", "wire", "pp_p2p", "pass", "gpipe", "overlap", "pp_other"])
+    is_step = (events["category"] == "step").to_numpy()
+    work = events.loc[main & ~not_work & ~is_step, ["rank", "pid", "tid", "start_ns", "end_ns"]]
+    work = work.assign(auto=kind[main & ~not_work & ~is_step] == "autograd")
+    steps = events.loc[main & is_step, ["rank", "step", "start_ns", "end_ns"]]
+    passes = _passes(rows, ops, work, steps, pp or 1)
+    _schedule(rows, passes, pp, v, out)
+    out.events = _write(events, ops, passes, _gaps(passes, work))
+    return out
+
+
+def _world(events: pd.DataFrame, metas: dict) -> int:
+    sizes = [m.get("world_size") for m in metas.values() if isinstance(m.get("world_size"), int)]
+    return max(sizes) if sizes else int(events["rank"].max()) + 1
+
+
+# -------------------------------------------------------------------------------------------
+# p2p ops
+# -------------------------------------------------------------------------------------------
+def _process_groups(metas: dict) -> dict:
+    """rank -> [(desc, ranks)] from distributedInfo.pg_config."""
+    out = {}
+    for rank, meta in metas.items():
+        config = ((meta or {}).get("distributed") or {}).get("pg_config")
+        if isinstance(config, list):
+            out[int(rank)] = [(str(g.get("pg_desc")), [int(r) for r in g.get("ranks") or []])
+                              for g in config if isinstance(g, dict) and isinstance(g.get("ranks"), list)]
+    return out
+
+
+def _dim_groups(metas: dict) -> dict:
+    """dim -> {rank: ranks of its group along dim} for groups pg_config names (pp, tp, cp)."""
+    out: dict = {}
+    for rank, groups in _process_groups(metas).items():
+        for desc, ranks in groups:
+            dim = _GROUP_DESC.get(desc)
+            if dim and rank in ranks:
+                out.setdefault(dim, {})[rank] = ranks
+    return out
+
+
+def _p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
+    """One row per gloo p2p range: index (its event row), rank, step, is_send, start/end,
+    peer (global rank or -1), tag, stage/dir/mb from a ``PP:..SEND_F..`` range around its
+    post (-1 / "" where none), bytes."""
+    wires = rows[rows["kind"] == "wire"]
+    if wires.empty:
+        return pd.DataFrame(columns=["index", "post_index", "post_start", "rank", "pid", "tid", "step", "is_send", "start_ns", "end_ns", "peer", "tag",
+                                     "stage", "dir", "mb", "bytes"])
+    posts = rows[rows["kind"] == "post"]
+    found = {}
+    for tags in posts["tags"].dropna().unique():  # per distinct tag value
+        t = tags_of(tags)
+        if "group_peer" in t:
+            found[tags] = (int(t["group_peer"]), int(t.get("tag", 0)))
+    tag_col = posts["tags"].astype(object)
+    posts = posts.assign(
+        post_index=posts.index.to_numpy(),
+        group_peer=tag_col.map(lambda x: found.get(x, (-1, 0))[0]).to_numpy(np.int64),
+        tag=tag_col.map(lambda x: found.get(x, (-1, 0))[1]).to_numpy(np.int64),
+        post_start=posts["start_ns"].to_numpy(), post_end=posts["end_ns"].to_numpy(),
+    )
+    # the name of the action that posted it (PP:1SEND_F3 encloses its c10d::send)
+    named = rows[rows["kind"] == "pp_p2p"]
+    if len(named):
+        named = named.assign(n_start=named["start_ns"], n_end=named["end_ns"], n_stage=named["stage"],
+                             n_dir=named["act"].map(_DIR), n_mb=named["mb"], n_send=named["send"])
+        posts = pd.merge_asof(
+            posts.sort_values("post_start"), named[["rank", "n_start", "n_end", "n_stage", "n_dir", "n_mb", "n_send"]]
+            .sort_values("n_start"), left_on="post_start", right_on="n_start", by="rank", direction="backward")
+        inside = (posts["n_end"] >= posts["post_end"]) & (posts["n_send"] == posts["send"])
+        for col, empty in (("n_stage", -1), ("n_mb", -1), ("n_dir", "")):
+            posts[col] = posts[col].where(inside, empty)
+    else:
+        posts = posts.assign(n_stage=-1, n_mb=-1, n_dir="")
+    wires = wires.assign(index=wires.index.to_numpy())
+    ops = pd.merge_asof(
+        wires.sort_values("start_ns"),
+        posts[["rank", "send", "post_index", "post_start", "group_peer", "tag", "n_stage", "n_dir", "n_mb"]]
+        .sort_values("post_start"),
+        left_on="start_ns", right_on="post_start", by=["rank", "send"], direction="backward")
+    ops["group_peer"] = ops["group_peer"].fillna(-1).astype(np.int64)
+    peer = _global_peers(ops["rank"].to_numpy(np.int64), ops["group_peer"].to_numpy(), metas)
+    ops = pd.DataFrame({
+        "index": ops["index"].to_numpy(np.int64), "post_index": ops["post_index"].fillna(-1).to_numpy(np.int64),
+        "post_start": ops["post_start"].fillna(-1).to_numpy(np.int64),
+        "rank": ops["rank"].to_numpy(np.int64), "pid": ops["pid"].to_numpy(np.int64), "tid": ops["tid"].to_numpy(np.int64),
+        "step": ops["step"].to_numpy(np.int64), "is_send": ops["send"].to_numpy(bool),
+        "start_ns": ops["start_ns"].to_numpy(np.int64), "end_ns": ops["end_ns"].to_numpy(np.int64),
+        "peer": peer, "tag": ops["tag"].fillna(0).to_numpy(np.int64),
+        "stage": ops["n_stage"].fillna(-1).to_numpy(np.int64), "dir": ops["n_dir"].fillna("").to_numpy(object),
+        "mb": ops["n_mb"].fillna(-1).to_numpy(np.int64), "bytes": ops["bytes"].astype("Int64"),
+    }).sort_values(["rank", "start_ns"], kind="stable").reset_index(drop=True)
+    unknown = ops[ops["peer"] < 0]
+    if len(unknown):
+        ranks = sorted(int(r) for r in unknown["rank"].unique())
+        out.warnings.append(
+            f"the peers of {len(unknown)} p2p sends/recvs (gloo:send / gloo:recv on ranks {ranks[:8]}) are "
+            "unknown: their c10d::send / c10d::recv_ carry no 'Concrete Inputs'; " + NO_PEERS_HINT)
+    if (ops["peer"] >= 0).any():
+        out.inferred["peers"] = "'Concrete Inputs' of the c10d::send / c10d::recv_ posts (group rank -> global)"
+    return ops
+
+
+def _global_peers(rank: np.ndarray, group_peer: np.ndarray, metas: dict) -> np.ndarray:
+    """Group ranks -> global ranks through each rank's pipeline group (pg_config), else the
+    default group (the identity); -1 where unknown."""
+    pp_groups = _dim_groups(metas).get("pp", {})
+    out = group_peer.copy()
+    for r in np.unique(rank):
+        ranks = pp_groups.get(int(r))
+        if ranks:
+            mine = (rank == r) & (group_peer >= 0) & (group_peer < len(ranks))
+            out[mine] = np.asarray(ranks, dtype=np.int64)[group_peer[mine]]
+    out[out == rank] = -1  # a send to oneself is no pipeline p2p
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+# the pipeline: stage of each rank, pp, stages per rank
+# -------------------------------------------------------------------------------------------
+def _pipeline(rows: pd.DataFrame, ops: pd.DataFrame, metas: dict, out: Inference):
+    """(rank -> pipeline position, pp, stages per rank), from pg_config, else the stage ids
+    of PP: names, else the forward chain of first sends; (None, None, 1) when none says."""
+    named = rows[rows["kind"].isin(["pass", "pp_p2p"])]
+    v = 1
+    if len(named):
+        per_rank = named.groupby("rank")["stage"].agg(["min", "nunique"])
+        v = int(per_rank["nunique"].max())
+    groups = _dim_groups(metas).get("pp", {})
+    if groups and len({len(g) for g in groups.values()}) == 1 and len(next(iter(groups.values()))) > 1:
+        stage_of = {r: g.index(r) for r, g in groups.items()}
+        pp = len(next(iter(groups.values())))
+        out.inferred["layout"] = f"pp{pp} from the pipeline process group in distributedInfo.pg_config"
+        return stage_of, pp, v
+    if len(named):
+        n_stages = int(named["stage"].nunique())
+        pp = max(1, n_stages // max(v, 1))
+        stage_of = {int(r): int(s) for r, s in per_rank["min"].items()}
+        out.inferred["layout"] = f"pp{pp} from the stage ids of PyTorch's PP: ranges ({n_stages} stages, {v} per rank)"
+        return stage_of, pp, v
+    chain = _chains(ops)
+    if chain is None:
+        if len(ops):
+            out.warnings.append(
+                "pipeline stage order unknown: no stage names, no pipeline group in pg_config and no p2p "
+                "peers to follow; the run is analyzed without a pipeline")
+        return None, None, 1
+    stage_of, pp, text = chain
+    out.inferred["layout"] = f"pp{pp} from the forward chain of each rank's first send ({text})"
+    return stage_of, pp, 1
+
+
+def _chains(ops: pd.DataFrame):
+    """Follow each rank's first send (its first forward send where direction is named): the
+    chains give the stage order. -> (rank -> stage, pp, description) or None."""
+    sends = ops[ops["is_send"] & (ops["peer"] >= 0)]
+    if sends.empty:
+        return None
+    if (sends["dir"] == "fwd").any():
+        sends = sends[sends["dir"] == "fwd"]
+    first = sends.sort_values(["step", "start_ns"]).groupby("rank").first()
+    nxt = {int(r): int(p) for r, p in first["peer"].items()}
+    ranks = set(ops["rank"].unique().tolist()) | set(nxt.values())
+    heads = sorted(ranks - set(nxt.values()))
+    chains, seen = [], set()
+    for head in heads:
+        chain = [head]
+        while chain[-1] in nxt and nxt[chain[-1]] not in chain and nxt[chain[-1]] not in seen:
+            chain.append(nxt[chain[-1]])
+        seen.update(chain)
+        chains.append(chain)
+    lengths = {len(c) for c in chains}
+    if not chains or len(lengths) != 1 or seen != ranks or lengths == {1}:
+        return None
+    stage_of = {r: i for chain in chains for i, r in enumerate(chain)}
+    return stage_of, len(chains[0]), " | ".join(" -> ".join(map(str, c)) for c in chains)
+
+
+def _layout(stage_of: dict, pp: int, world: int, metas: dict, out: Inference) -> Layout | None:
+    """The Layout whose pp coordinate of every rank is its stage (and whose tp / cp groups
+    are pg_config's where it names them); a stage order no Megatron-style layout has is
+    reported, not forced."""
+    groups = _dim_groups(metas)
+    sizes = {d: len(next(iter(groups[d].values()))) for d in ("tp", "cp") if groups.get(d)}
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    if world % (pp * tp * cp):
+        out.warnings.append(f"pipeline of {pp} stages does not divide the world of {world} ranks; layout not inferred")
+        return None
+    dp = world // (pp * tp * cp)
+    orders = ["tp-cp-dp-pp", *("-".join(o) for o in permutations(DIMS))]  # Megatron's default first
+    for order in orders:
+        layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order)
+        if all(layout.coords(r).pp == s for r, s in stage_of.items() if r < world) and all(
+                sorted(layout.group_ranks(d, r)) == sorted(g) for d in ("tp", "cp") for r, g in groups.get(d, {}).items()):
+            return layout
+    order = " ".join(f"{r}:{s}" for r, s in sorted(stage_of.items()))
+    out.warnings.append(
+        f"the pipeline's stage order (rank:stage {order}) fits no Megatron-style layout; pp coordinates "
+        "follow the ranks' order instead, so per-stage results are per rank")
+    return Layout(tp=tp, cp=cp, pp=pp, dp=dp)
+
+
+def _directions(ops: pd.DataFrame, stage_of: dict, pp: int | None) -> pd.DataFrame:
+    """Direction where no name gave it (towards a later stage: fwd), mb by FIFO order per
+    (rank, step, side, peer, direction), chunk from the named stage."""
+    if ops.empty:
+        return ops
+    ops = ops.copy()
+    src = np.where(ops["is_send"], ops["rank"], ops["peer"])
+    dst = np.where(ops["is_send"], ops["peer"], ops["rank"])
+    s_src = pd.Series(src).map(stage_of).fillna(-1).to_numpy()
+    s_dst = pd.Series(dst).map(stage_of).fillna(-1).to_numpy()
+    guess = np.where((ops["peer"] >= 0) & (s_src >= 0) & (s_dst >= 0), np.where(s_dst > s_src, "fwd", "bwd"), "")
+    ops["dir"] = np.where(ops["dir"] != "", ops["dir"], guess)
+    counted = ops["mb"] < 0
+    order = ops.groupby(["rank", "step", "is_send", "peer", "dir"], sort=False).cumcount().to_numpy()
+    ops["mb"] = np.where(counted, order, ops["mb"])
+    ops.attrs["mb_counted"] = bool(counted.any())
+    return ops
+
+
+# -------------------------------------------------------------------------------------------
+# passes
+# -------------------------------------------------------------------------------------------
+_PASS_COLUMNS = ["rank", "pid", "tid", "step", "start_ns", "end_ns", "op", "mb", "chunk"]
+
+
+def _passes(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFrame, steps: pd.DataFrame, pp: int) -> pd.DataFrame:
+    """The passes of every rank: from its pass ranges where it has any, else from its ops
+    between p2p posts. ``work``: main-thread ops (no p2p, no pass names) with ``auto``
+    (an autograd op); ``steps``: the ProfilerStep ranges."""
+    named_ranks = set(rows.loc[rows["kind"].isin(["pass", "gpipe", "overlap"]), "rank"].unique().tolist())
+    parts = [_named_passes(rows, work, pp)]
+    rest = rows[~rows["rank"].isin(named_ranks)]
+    if len(rest):
+        parts.append(_passes_between_posts(rest, ops, work, steps))
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return pd.DataFrame(columns=_PASS_COLUMNS)
+    return pd.concat(parts, ignore_index=True)
+
+
+def _named_passes(rows: pd.DataFrame, work: pd.DataFrame, pp: int) -> pd.DataFrame:
+    """Passes from named ranges, each cut to after the last recv ending inside it (the wait
+    on its input) and before the first send posted inside it (GPipe posts its output in
+    it), then to its ops: from the first that starts in it to the last that ends in it."""
+    named = rows[rows["kind"].isin(["pass", "gpipe"])]
+    overlap = rows[rows["kind"] == "overlap"]
+    if len(overlap):
+        named = pd.concat([named, _split_overlaps(overlap, work)], ignore_index=True)
+    if named.empty:
+        return pd.DataFrame(columns=_PASS_COLUMNS)
+    # a pass waits for its inputs (recvs) first and posts its outputs (sends) last
+    recvs = rows[rows["kind"].isin(["wire", "post"]) & ~rows["send"].to_numpy(bool)]
+    sends = rows[(rows["kind"] == "post") & rows["send"].to_numpy(bool)]
+    start = named["start_ns"].to_numpy(np.int64).copy()
+    end = named["end_ns"].to_numpy(np.int64).copy()
+    rank = named["rank"].to_numpy()
+    # an OVERLAP_F_B's forward part ends with the wait for its backward's input: its ops
+    # alone bound it
+    own = ~named["overlap"].fillna(False).to_numpy(bool) if "overlap" in named else np.ones(len(named), bool)
+    for r in np.unique(rank):
+        mine = rank == r
+        ends = np.sort(recvs.loc[recvs["rank"] == r, "end_ns"].to_numpy(np.int64))
+        if len(ends):
+            last = np.searchsorted(ends, end[mine], side="right") - 1  # the last recv end <= range end
+            got = ends[np.clip(last, 0, None)]
+            start[mine] = np.where((last >= 0) & (got > start[mine]) & own[mine], got, start[mine])
+        posted = np.sort(sends.loc[sends["rank"] == r, "start_ns"].to_numpy(np.int64))
+        if len(posted):
+            nxt = np.searchsorted(posted, start[mine], side="left")
+            got = posted[np.clip(nxt, 0, len(posted) - 1)]
+            end[mine] = np.where((nxt < len(posted)) & (got < end[mine]), got, end[mine])
+        start[mine], end[mine] = _to_ops(work[work["rank"] == r], start[mine], end[mine])
+    stage = named["stage"].to_numpy(np.int64)
+    return pd.DataFrame({
+        "rank": rank, "pid": named["pid"].to_numpy(), "tid": named["tid"].to_numpy(), "step": named["step"].to_numpy(),
+        "start_ns": start, "end_ns": np.maximum(end, start), "op": named["act"].map(_OPS).to_numpy(object),
+        "mb": named["mb"].to_numpy(np.int64), "chunk": np.where(stage >= 0, stage // max(pp, 1), 0),
+    })[_PASS_COLUMNS]
+
+
+def _to_ops(work: pd.DataFrame, start: np.ndarray, end: np.ndarray) -> tuple:
+    """Spans cut to the ops inside them (unchanged where none is)."""
+    starts, ends = np.sort(work["start_ns"].to_numpy(np.int64)), np.sort(work["end_ns"].to_numpy(np.int64))
+    if not len(starts):
+        return start, end
+    i = np.searchsorted(starts, start, side="left")
+    first = starts[np.clip(i, 0, len(starts) - 1)]
+    j = np.searchsorted(ends, end, side="right") - 1
+    last = ends[np.clip(j, 0, None)]
+    ok = (i < len(starts)) & (j >= 0) & (first < end) & (last > start) & (first < last)
+    return np.where(ok, first, start), np.where(ok, last, end)
+
+
+def _split_overlaps(overlap: pd.DataFrame, work: pd.DataFrame) -> pd.DataFrame:
+    """DualPipeV's ``PP:(1F6;6B2)OVERLAP_F_B`` runs its forward, then its backward (each
+    after waiting for its own input): one named range per sub-action, split at the first
+    autograd op inside (all forward when there is none)."""
+    out = []
+    auto = work[work["auto"].to_numpy(bool)]
+    for r, group in overlap.groupby("rank"):
+        starts = np.sort(auto.loc[auto["rank"] == r, "start_ns"].to_numpy(np.int64))
+        ends = group["end_ns"].to_numpy(np.int64)
+        i = np.searchsorted(starts, group["start_ns"].to_numpy(np.int64), side="left")
+        cut = starts[np.clip(i, 0, len(starts) - 1)] if len(starts) else ends
+        cut = np.where((i < len(starts)) & (cut < ends), cut, ends)
+        for row, c in zip(group.itertuples(index=False), cut):  # a handful per step
+            subs = _overlap_parts(str(row.name))
+            fwd = [x for x in subs if x[1] == "F"][:1]
+            bwd = [x for x in subs if x[1] != "F"][:1]
+            for sub, s, e in ((fwd, row.start_ns, c), (bwd, c, row.end_ns)):
+                if sub and e > s:
+                    out.append({"rank": r, "pid": row.pid, "tid": row.tid, "step": row.step, "start_ns": int(s),
+                                "end_ns": int(e), "kind": "pass", "stage": sub[0][0], "act": sub[0][1], "mb": sub[0][2],
+                                "overlap": True})
+    return pd.DataFrame(out)
+
+
+def _passes_between_posts(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFrame,
+                          steps: pd.DataFrame) -> pd.DataFrame:
+    """Passes of schedules that name none (Schedule1F1B, Megatron): the main thread's ops
+    between p2p posts (between two posts the thread may wait for a p2p range, then runs
+    ops). Runs of autograd ops (``autograd::engine::evaluate_function`` and what they
+    contain) are backwards, the runs between them forwards; a pass spans its first op to
+    its last. A forward must hand its output on: a send posted next, or a backward right
+    after it (the last stage); other runs of ops are not passes (set-up before a recv, the
+    optimizer after the step's last post)."""
+    ranks = rows["rank"].unique()
+    post_dirs = dict(zip(ops["post_index"], ops["dir"])) if len(ops) else {}
+    out = [_rank_passes(r, steps[steps["rank"] == r], rows[rows["rank"] == r], work[work["rank"] == r], post_dirs)
+           for r in ranks]
+    out = [p for p in out if p is not None and len(p)]
+    if not out:
+        return pd.DataFrame(columns=_PASS_COLUMNS)
+    passes = pd.concat(out, ignore_index=True).sort_values(["rank", "start_ns"], kind="stable")
+    passes["mb"] = passes.groupby(["rank", "step", "op"]).cumcount().to_numpy()
+    passes.attrs["by_order"] = True
+    return passes[_PASS_COLUMNS].reset_index(drop=True)
+
+
+def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFrame, post_dirs: dict):
+    if steps.empty or work.empty:
+        return None
+    posts = rows[rows["kind"] == "post"]
+    # cuts in time order: posts (1 = send, 2 = recv) and zero-length step starts (0) / ends (3)
+    st0, st1 = steps["start_ns"].to_numpy(np.int64), steps["end_ns"].to_numpy(np.int64)
+    cut_s = np.concatenate([posts["start_ns"].to_numpy(np.int64), st0, st1])
+    cut_e = np.concatenate([posts["end_ns"].to_numpy(np.int64), st0, st1])
+    # posts: 1 a forward send, 4 a backward send, 5 a send of unknown direction, 2 a recv
+    post_dir = posts.index.map(post_dirs).to_numpy(object) if post_dirs else np.full(len(posts), "", dtype=object)
+    post_k = np.where(posts["send"].to_numpy(bool), np.where(post_dir == "fwd", 1, np.where(post_dir == "bwd", 4, 5)), 2)
+    cut_k = np.concatenate([post_k, np.zeros(len(st0), int), np.full(len(st1), 3)])
+    order = np.lexsort((cut_k, cut_s))
+    cut_s, cut_e, cut_k = cut_s[order], cut_e[order], cut_k[order]
+    n_iv = len(cut_s) - 1  # interval i: from cut i's end to cut i+1's start
+    if n_iv < 1:
+        return None
+    iv_s, iv_e = cut_e[:-1], cut_s[1:]
+    ws, we = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
+    iv = np.clip(np.searchsorted(cut_s, ws, side="right") - 1, 0, n_iv - 1)
+    ok = (ws >= iv_s[iv]) & (we <= iv_e[iv]) & (cut_k[iv] != 3) & (cut_k[iv + 1] != 0)
+    # an op is backward when it is an autograd op or inside one
+    is_auto = work["auto"].to_numpy(bool)
+    auto_s = np.sort(ws[is_auto])
+    auto_e = we[is_auto][np.argsort(ws[is_auto], kind="stable")]
+    j = np.searchsorted(auto_s, ws, side="right") - 1
+    in_auto = (j >= 0) & (we <= np.maximum.accumulate(auto_e)[np.clip(j, 0, None)] if len(auto_e) else np.zeros(len(ws), bool))
+    iv, ws, we, in_auto = iv[ok], ws[ok], we[ok], in_auto[ok]
+    if not len(iv):
+        return None
+    o = np.lexsort((ws, iv))
+    iv, ws, we, in_auto = iv[o], ws[o], we[o], in_auto[o]
+    # a batch of posts: consecutive posts with no op between them; what the one after each
+    # interval sends: 1 a forward output, 2 a backward output (to an earlier stage)
+    has_ops = np.zeros(n_iv, bool)
+    has_ops[np.unique(iv)] = True
+    batch = np.cumsum(np.r_[True, has_ops | (cut_k[:-1] == 0) | (cut_k[:-1] == 3)])
+    sends = pd.DataFrame({"b": batch, "fwd": np.isin(cut_k, (1, 5)), "bwd": cut_k == 4})
+    fwd_next = sends.groupby("b")["fwd"].transform("any").to_numpy()
+    bwd_next = sends.groupby("b")["bwd"].transform("any").to_numpy()
+    runs = _runs(iv, ws, we, in_auto)
+    # ops after a backward that end in a backward send belong to that backward (the last
+    # stage hands its input grad on)
+    r_iv, r_auto, first_in_iv, last_in_iv = runs["iv"], runs["auto"], runs["first_in_iv"], runs["last_in_iv"]
+    tail = ~r_auto & last_in_iv & ~first_in_iv & np.r_[False, r_auto[:-1]] & bwd_next[r_iv + 1] & ~fwd_next[r_iv + 1]
+    if tail.any():
+        in_auto = in_auto | np.isin(runs["id"], np.flatnonzero(tail))
+        runs = _runs(iv, ws, we, in_auto)
+        r_iv, r_auto, first_in_iv, last_in_iv = runs["iv"], runs["auto"], runs["first_in_iv"], runs["last_in_iv"]
+    r_first, r_last = runs["first"], runs["last"]
+    send_next = fwd_next[r_iv + 1] & (cut_k[r_iv + 1] != 3)
+    next_auto = np.r_[r_auto[1:], False] & ~last_in_iv
+    is_pass = r_auto | next_auto | (last_in_iv & send_next)
+    sel = is_pass & (r_last > r_first)
+    return pd.DataFrame({
+        "rank": rank, "pid": int(work["pid"].iloc[0]), "tid": int(work["tid"].iloc[0]),
+        "step": _step_of(steps, r_first[sel]), "start_ns": r_first[sel], "end_ns": r_last[sel],
+        "op": np.where(r_auto[sel], "bwd", "fwd"), "chunk": 0,
+    })
+
+
+def _runs(iv: np.ndarray, ws: np.ndarray, we: np.ndarray, auto: np.ndarray) -> dict:
+    """Runs of consecutive ops (sorted by interval, then start) of one kind (autograd or
+    not) within one interval: id of each op's run, and per run its interval, kind, first
+    start, last end, and whether it is its interval's first / last."""
+    new = np.r_[True, (iv[1:] != iv[:-1]) | (auto[1:] != auto[:-1])]
+    at = np.flatnonzero(new)
+    r_iv = iv[at]
+    return {
+        "id": np.cumsum(new) - 1, "iv": r_iv, "auto": auto[at], "first": ws[at],
+        "last": np.maximum.reduceat(we, at),
+        "first_in_iv": np.r_[True, r_iv[1:] != r_iv[:-1]], "last_in_iv": np.r_[r_iv[1:] != r_iv[:-1], True],
+    }
+
+
+def _step_of(steps: pd.DataFrame, t: np.ndarray) -> np.ndarray:
+    s = steps.sort_values("start_ns")
+    starts = s["start_ns"].to_numpy(np.int64)
+    i = np.clip(np.searchsorted(starts, t, side="right") - 1, 0, len(starts) - 1)
+    return s["step"].to_numpy()[i]
+
+
+# -------------------------------------------------------------------------------------------
+# schedule and microbatches
+# -------------------------------------------------------------------------------------------
+def _schedule(rows: pd.DataFrame, passes: pd.DataFrame, pp, v: int, out: Inference) -> None:
+    kinds = set(rows["kind"].unique())
+    if passes.empty:
+        return
+    fwd = passes[passes["op"] == "fwd"]
+    if len(fwd):
+        out.microbatches = int(fwd.groupby(["rank", "step"])["mb"].nunique().max())
+        out.inferred["microbatches"] = f"{out.microbatches}: distinct microbatches of a rank's forwards in a step"
+    out.vpp = v
+    by_order = bool(passes.attrs.get("by_order")) and not (kinds & {"pass", "gpipe", "overlap"})
+    out.inferred["passes"] = (
+        "from the main thread's ops between p2p posts (no pass names; backward = autograd ops, mb by order)"
+        if by_order else "from PyTorch's pass ranges (PP:<stage><action><mb>, Forward i / Backward i), "
+                         "less the recv wait they include")
+    out.inferred["p2p"] = "gloo:send / gloo:recv ranges, from the post until wait() returned"
+    named = rows[rows["kind"] == "pass"]
+    if "gpipe" in kinds:
+        out.schedule, how = "ScheduleGPipe", "'Forward i' / 'Backward i' ranges"
+    elif len(named) or "overlap" in kinds:
+        out.schedule, how = _pp_schedule(named, kinds, pp, v), "PyTorch's PP: action ranges"
+    elif pp:
+        out.schedule, how = _order_schedule(passes, pp)
+    else:
+        return
+    if out.schedule:
+        out.inferred["schedule"] = f"{out.schedule} from {how}"
+        if v > 1:
+            out.inferred["vpp"] = f"{v} stages per rank from the PP: stage ids"
+
+
+def _pp_schedule(named: pd.DataFrame, kinds: set, pp, v: int) -> str:
+    stages = named.groupby("rank")["stage"].agg(lambda s: tuple(sorted(set(s))))
+    if v == 2 and pp and all(len(s) == 2 and s[0] + s[1] == 2 * pp - 1 for s in stages):
+        return "ScheduleDualPipeV" if "overlap" in kinds else "ScheduleZBVZeroBubble"
+    if v == 1:
+        return "Schedule1F1B"
+    if set(named["act"]) & {"I", "W"}:
+        return "ScheduleInterleavedZeroBubble"
+    # LoopedBFS runs every forward of a stage before the next stage's, all before any backward
+    bfs = True
+    for _, g in named.sort_values("start_ns").groupby(["rank", "step"]):
+        acts, st = g["act"].to_numpy(), g["stage"].to_numpy()
+        f_st = st[acts == "F"]
+        last_f = np.flatnonzero(acts == "F").max(initial=-1)
+        first_b = np.flatnonzero(acts == "B").min(initial=len(acts))
+        if last_f > first_b or (np.diff(f_st) < 0).any():
+            bfs = False
+            break
+    return "ScheduleLoopedBFS" if bfs else "ScheduleInterleaved1F1B"
+
+
+def _order_schedule(passes: pd.DataFrame, pp: int):
+    """Schedules without names: 1F1B or GPipe when every rank's order of forwards and
+    backwards is that schedule's, else unknown."""
+    from .schedules import schedule_table
+
+    first = passes[passes["step"] == passes["step"].min()].sort_values("start_ns")
+    m = int(first[first["op"] == "fwd"].groupby("rank")["mb"].nunique().max()) if len(first) else 0
+    if not m:
+        return None, ""
+    for name in ("1f1b", "gpipe"):
+        fits = True
+        for r, g in first.groupby("rank"):
+            # stage r's order; the stage is not needed for the check beyond the warm-up count
+            seen = [("F" if op == "fwd" else "B", int(mb)) for op, mb in zip(g["op"], g["mb"])]
+            if not any(seen == [(a, j) for a, j, _ in schedule_table(name, pp, s, m)] for s in range(pp)):
+                fits = False
+                break
+        if fits:
+            return name, "the order of its passes (no pass names in the trace)"
+    return None, ""
+
+
+# -------------------------------------------------------------------------------------------
+# writing the inference into the events table
+# -------------------------------------------------------------------------------------------
+def _gaps(passes: pd.DataFrame, work: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, the stretches of at least MIN_GAP_NS inside its passes where no op runs."""
+    out = []
+    for r, mine in passes.groupby("rank"):
+        w = work[work["rank"] == r]
+        inside = union(mine["start_ns"].to_numpy(np.int64), mine["end_ns"].to_numpy(np.int64))
+        gaps = inside - union(w["start_ns"].to_numpy(np.int64), w["end_ns"].to_numpy(np.int64))
+        keep = (gaps.ends - gaps.starts) >= MIN_GAP_NS
+        if keep.any():
+            s, e = gaps.starts[keep], gaps.ends[keep]
+            first = mine.sort_values("start_ns")
+            i = np.clip(np.searchsorted(first["start_ns"].to_numpy(np.int64), s, side="right") - 1, 0, len(first) - 1)
+            out.append(pd.DataFrame({"rank": r, "pid": first["pid"].iloc[0], "tid": first["tid"].iloc[0],
+                                     "step": first["step"].to_numpy()[i], "start_ns": s, "end_ns": e}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["rank", "pid", "tid", "step", "start_ns", "end_ns"])
+
+
+def _write(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame, gaps: pd.DataFrame) -> pd.DataFrame:
+    """events with the inferred rows appended (the foreign rows stay as they are)."""
+    rows = [r for r in (_p2p_rows(ops), _pass_rows(passes), _gap_rows(gaps)) if r is not None]
+    if not rows:
+        return events
+    new = {}
+    for k, first in rows[0].items():
+        if isinstance(first, pd.arrays.IntegerArray):
+            new[k] = _int_column(np.concatenate([r[k].to_numpy(np.int64, na_value=-1) for r in rows]))
+        else:
+            new[k] = np.concatenate([r[k] for r in rows])
+    return _append(events, new)
+
+
+def _contract_names(kind: str, op: np.ndarray, tags: dict) -> np.ndarray:
+    """``<kind>:<op> k=v ...`` per row, tags with a negative value left out."""
+    name = pd.Series(kind + ":", index=range(len(op))) + pd.Series(op, dtype=object)
+    for key, values in tags.items():
+        values = pd.Series(np.asarray(values, dtype=np.int64))
+        name = name.where(values < 0, name + f" {key}=" + values.astype(str))
+    return name.to_numpy(object)
+
+
+def _int_column(values) -> pd.arrays.IntegerArray:
+    """int64 values, negative ones null."""
+    values = np.asarray(values, dtype=np.int64)
+    return pd.arrays.IntegerArray(np.where(values >= 0, values, 0), values < 0)
+
+
+def _p2p_rows(ops: pd.DataFrame) -> dict | None:
+    """``pp:send_fwd peer=1 mb=3 chunk=0 bytes=64`` rows spanning each op from its post to
+    the end of its wait (a send moves data from its post on: the gloo range starts after
+    it). ``op`` is ``send`` / ``recv`` where the direction is unknown."""
+    if ops is None or ops.empty:
+        return None
+    n = len(ops)
+    side = np.where(ops["is_send"].to_numpy(bool), "send", "recv").astype(object)
+    direction = ops["dir"].to_numpy(object)
+    op = np.where(direction != "", side + "_" + direction, side).astype(object)
+    pp = max(int(ops.attrs.get("pp") or 1), 1)
+    peer = ops["peer"].to_numpy(np.int64)
+    mb = np.where(direction != "", ops["mb"].to_numpy(np.int64), -1)
+    stage = ops["stage"].to_numpy(np.int64)
+    chunk = np.where(stage >= 0, stage // pp, -1)
+    size = ops["bytes"].fillna(-1).to_numpy(np.int64)
+    wire = ops["start_ns"].to_numpy(np.int64)
+    post = ops["post_start"].to_numpy(np.int64)
+    start = np.where(post >= 0, np.minimum(post, wire), wire)
+    end = ops["end_ns"].to_numpy(np.int64)
+    return {
+        "rank": ops["rank"].to_numpy(np.int32), "lane": np.full(n, "main", dtype=object),
+        "lane_kind": np.full(n, "host", dtype=object), "pid": ops["pid"].to_numpy(np.int64),
+        "tid": ops["tid"].to_numpy(np.int64),
+        "name": _contract_names("pp", op, {"peer": peer, "mb": mb, "chunk": chunk, "bytes": size}),
+        "cat": np.full(n, "pptrace_inferred", dtype=object), "start_ns": start, "end_ns": end, "dur_ns": end - start,
+        "kind": np.full(n, "pp", dtype=object), "op": op, "mb": _int_column(mb), "chunk": _int_column(chunk),
+        "peer": _int_column(peer), "bytes": _int_column(size), "category": np.full(n, "p2p", dtype=object),
+        "step": ops["step"].to_numpy(np.int32), "inferred": np.ones(n, dtype=bool),
+    }
+
+
+def _gap_rows(gaps: pd.DataFrame) -> dict | None:
+    """``host:between_ops`` rows (category other) nested in the passes: where the thread ran
+    no op, which the step partition then does not count as compute (a deeper range)."""
+    if gaps is None or gaps.empty:
+        return None
+    n = len(gaps)
+    start, end = gaps["start_ns"].to_numpy(np.int64), gaps["end_ns"].to_numpy(np.int64)
+    return {
+        "rank": gaps["rank"].to_numpy(np.int32), "lane": np.full(n, "main", dtype=object),
+        "lane_kind": np.full(n, "host", dtype=object), "pid": gaps["pid"].to_numpy(np.int64),
+        "tid": gaps["tid"].to_numpy(np.int64), "name": np.full(n, "host:between_ops", dtype=object),
+        "cat": np.full(n, "pptrace_inferred", dtype=object), "start_ns": start, "end_ns": end, "dur_ns": end - start,
+        "kind": np.full(n, "host", dtype=object), "op": np.full(n, "between_ops", dtype=object),
+        "mb": _int_column(np.full(n, -1)), "chunk": _int_column(np.full(n, -1)),
+        "peer": _int_column(np.full(n, -1)), "bytes": _int_column(np.full(n, -1)),
+        "category": np.full(n, "other", dtype=object), "step": gaps["step"].to_numpy(np.int32),
+        "inferred": np.ones(n, dtype=bool),
+    }
+
+
+def _pass_rows(passes: pd.DataFrame) -> dict | None:
+    """``compute:fwd mb=3 chunk=0`` rows, cat ``pptrace_inferred``."""
+    if passes is None or passes.empty:
+        return None
+    n = len(passes)
+    mb = passes["mb"].to_numpy(np.int64)
+    chunk = passes["chunk"].to_numpy(np.int64)
+    op = passes["op"].astype(str).to_numpy(object)
+    start, end = passes["start_ns"].to_numpy(np.int64), passes["end_ns"].to_numpy(np.int64)
+    return {
+        "rank": passes["rank"].to_numpy(np.int32), "lane": np.full(n, "main", dtype=object),
+        "lane_kind": np.full(n, "host", dtype=object), "pid": passes["pid"].to_numpy(np.int64),
+        "tid": passes["tid"].to_numpy(np.int64),
+        "name": _contract_names("compute", op, {"mb": mb, "chunk": chunk}),
+        "cat": np.full(n, "pptrace_inferred", dtype=object), "start_ns": start, "end_ns": end, "dur_ns": end - start,
+        "kind": np.full(n, "compute", dtype=object), "op": op, "mb": _int_column(mb), "chunk": _int_column(chunk),
+        "peer": _int_column(np.full(n, -1)), "bytes": _int_column(np.full(n, -1)),
+        "category": np.full(n, "compute", dtype=object), "step": passes["step"].to_numpy(np.int32),
+        "inferred": np.ones(n, dtype=bool),
+    }
+
+
+def _append(events: pd.DataFrame, new: dict) -> pd.DataFrame:
+    """events with rows appended: ``new`` holds some columns, the others are null / False."""
+    n = len(next(iter(new.values())))
+    cols = {}
+    for column in events.columns:
+        col = events[column]
+        value = new.get(column)
+        if isinstance(col.dtype, pd.CategoricalDtype):
+            values = np.asarray(value if value is not None else [None] * n, dtype=object)
+            uniques = [v for v in pd.unique(values) if v is not None]
+            extra = pd.Categorical(values, categories=pd.Index(uniques, dtype=col.cat.categories.dtype))
+            cols[column] = union_categoricals([col.array, extra])
+        elif isinstance(col.dtype, pd.Int64Dtype):
+            extra = pd.array(value if value is not None else [pd.NA] * n, dtype="Int64")
+            data = np.concatenate([col.to_numpy(np.int64, na_value=0), extra.to_numpy(np.int64, na_value=0)])
+            mask = np.concatenate([col.isna().to_numpy(), pd.isna(extra)])
+            cols[column] = pd.arrays.IntegerArray(data, mask)
+        elif col.dtype == bool:
+            cols[column] = np.concatenate([col.to_numpy(), value if value is not None else np.zeros(n, bool)])
+        else:
+            fill = value if value is not None else np.zeros(n, dtype=col.dtype)
+            cols[column] = np.concatenate([col.to_numpy(), np.asarray(fill, dtype=col.dtype)])
+    return pd.DataFrame(cols, columns=events.columns)
+
+
+__all__ = ["Inference", "infer_run", "is_plain", "NO_PEERS_HINT", "COLUMNS"]
