@@ -11,8 +11,9 @@ the ``pptrace`` metadata block. ``pptrace.profile`` turns them all on by default
     handle.remove()
 
 Contract of an integration module: ``instrument() -> Instrumentation | None`` (None when the
-library is not installed; a version it does not recognise gives a warning and None, never an
-exception), and the handle's ``metadata()`` returns keys to merge into the ``pptrace`` block:
+library is not installed, or not imported by this process unless ``import_library=True``; a
+version it does not recognise gives a warning and None, never an exception), and
+the handle's ``metadata()`` returns keys to merge into the ``pptrace`` block:
 
 - ``layout``: ``Layout.to_dict()`` of the run, when the library knows it
 - ``schedule``: the schedule's name as the library calls it (``Schedule1F1B``,
