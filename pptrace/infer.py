@@ -312,17 +312,21 @@ def _pipeline(rows: pd.DataFrame, ops: pd.DataFrame, metas: dict, out: Inference
 
 
 def _chains(ops: pd.DataFrame):
-    """Follow each rank's first send (its first forward send where direction is named): the
-    chains give the stage order. -> (rank -> stage, pp, description) or None."""
-    sends = ops[ops["is_send"] & (ops["peer"] >= 0)]
-    if sends.empty:
+    """The forward chains of the pipeline: a chain starts at a rank whose first p2p op (in
+    its first step) is a send: only the first stage sends before it receives. Each hop is
+    a rank's first send (its first forward send where the direction is named), up to a
+    rank already in the chain. -> (rank -> stage, pp, description) or None."""
+    known = ops[ops["peer"] >= 0]
+    if known.empty:
         return None
+    first_step = known[known["step"] == known.groupby("rank")["step"].transform("min")]
+    first_op = first_step.sort_values("start_ns").groupby("rank").first()
+    heads = sorted(int(r) for r in first_op.index[first_op["is_send"].to_numpy(bool)])
+    sends = first_step[first_step["is_send"]]
     if (sends["dir"] == "fwd").any():
         sends = sends[sends["dir"] == "fwd"]
-    first = sends.sort_values(["step", "start_ns"]).groupby("rank").first()
-    nxt = {int(r): int(p) for r, p in first["peer"].items()}
-    ranks = set(ops["rank"].unique().tolist()) | set(nxt.values())
-    heads = sorted(ranks - set(nxt.values()))
+    nxt = {int(r): int(p) for r, p in sends.sort_values("start_ns").groupby("rank")["peer"].first().items()}
+    ranks = set(int(r) for r in ops["rank"].unique()) | set(nxt.values())
     chains, seen = [], set()
     for head in heads:
         chain = [head]
@@ -330,8 +334,7 @@ def _chains(ops: pd.DataFrame):
             chain.append(nxt[chain[-1]])
         seen.update(chain)
         chains.append(chain)
-    lengths = {len(c) for c in chains}
-    if not chains or len(lengths) != 1 or seen != ranks or lengths == {1}:
+    if not chains or len({len(c) for c in chains}) != 1 or seen != ranks or len(chains[0]) < 2:
         return None
     stage_of = {r: i for chain in chains for i, r in enumerate(chain)}
     return stage_of, len(chains[0]), " | ".join(" -> ".join(map(str, c)) for c in chains)
@@ -494,7 +497,7 @@ def _passes_between_posts(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFr
     out = [p for p in out if p is not None and len(p)]
     if not out:
         return pd.DataFrame(columns=_PASS_COLUMNS)
-    passes = pd.concat(out, ignore_index=True).sort_values(["rank", "start_ns"], kind="stable")
+    passes = _one_forward_per_backward(pd.concat(out, ignore_index=True)).sort_values(["rank", "start_ns"], kind="stable")
     passes["mb"] = passes.groupby(["rank", "step", "op"]).cumcount().to_numpy()
     passes.attrs["by_order"] = True
     return passes[_PASS_COLUMNS].reset_index(drop=True)
@@ -553,12 +556,31 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
     send_next = fwd_next[r_iv + 1] & (cut_k[r_iv + 1] != 3)
     next_auto = np.r_[r_auto[1:], False] & ~last_in_iv
     is_pass = r_auto | next_auto | (last_in_iv & send_next)
+    # ops between a backward and a send whose direction is unknown (no peers): a forward
+    # (rank 0 of 1F1B) or the backward's tail (the last stage); settled by count below
+    unsure = ~r_auto & last_in_iv & ~first_in_iv & np.r_[False, r_auto[:-1]] & ~bwd_next[r_iv + 1] \
+        & np.isin(cut_k[r_iv + 1], (5, 2))
     sel = is_pass & (r_last > r_first)
     return pd.DataFrame({
         "rank": rank, "pid": int(work["pid"].iloc[0]), "tid": int(work["tid"].iloc[0]),
         "step": _step_of(steps, r_first[sel]), "start_ns": r_first[sel], "end_ns": r_last[sel],
-        "op": np.where(r_auto[sel], "bwd", "fwd"), "chunk": 0,
+        "op": np.where(r_auto[sel], "bwd", "fwd"), "chunk": 0, "unsure": unsure[sel],
     })
+
+
+def _one_forward_per_backward(passes: pd.DataFrame) -> pd.DataFrame:
+    """Every microbatch a stage runs forward it runs backward: where a rank's step has more
+    forwards than backwards, its shortest unsure ones were not forwards."""
+    n_f = passes[passes["op"] == "fwd"].groupby(["rank", "step"]).size()
+    n_b = passes[passes["op"] == "bwd"].groupby(["rank", "step"]).size()
+    excess = (n_f - n_b.reindex(n_f.index, fill_value=0)).clip(lower=0)
+    if not passes["unsure"].any() or not excess.any():
+        return passes
+    unsure = passes[passes["unsure"]].assign(dur=lambda d: d["end_ns"] - d["start_ns"]).sort_values("dur")
+    unsure = unsure.assign(k=unsure.groupby(["rank", "step"]).cumcount())
+    limit = unsure.set_index(["rank", "step"]).index.map(excess).to_numpy()
+    drop = unsure.index[unsure["k"].to_numpy() < np.nan_to_num(limit.astype(float))]
+    return passes.drop(index=drop)
 
 
 def _runs(iv: np.ndarray, ws: np.ndarray, we: np.ndarray, auto: np.ndarray) -> dict:
