@@ -208,6 +208,7 @@ def build_report(run, steps=None, ranks=None) -> dict:
             "world_size": view.layout.world_size, "layout": view.layout.to_dict(),
             "schedule": view.schedule, "microbatches": view.microbatches or pipe.get("microbatches"),
             "vpp": view.vpp, "steps": list(view.steps), "ranks": list(view.ranks),
+            "inferred": dict(view.inferred),
         },
         "ranks": _rank_entries(view, table, ranks, gpu),
         "pipeline": {
@@ -251,6 +252,9 @@ def print_report(report: dict, console) -> None:
         f"pp{lay['pp']} dp{lay['dp']}), schedule {run['schedule'] or '?'}, microbatches "
         f"{run['microbatches'] or '?'}, vpp {run['vpp'] or 1}, steps {run['steps']}"
     )
+    if run.get("inferred"):
+        console.print("[bold]inferred[/] (the run carries no pptrace metadata): " + "; ".join(
+            f"{escape(str(k))}: {escape(str(v))}" for k, v in run["inferred"].items()), highlight=False)
     pipe = report["pipeline"]
     if pipe["stages"] and lay["pp"] > 1:
         # "schedule" is the part of the bubble the schedule causes (compare with theory);

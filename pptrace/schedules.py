@@ -17,8 +17,11 @@ ALIASES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
 #: torch.distributed.pipelining schedules that place a rank's two stages in a V (stage s on
 #: rank s, stage 2p-1-s on rank s too); every other multi-stage schedule loops (s on s % p).
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-#: Ops of an action order: forward, whole backward, input grad, weight grad.
-ACTION_OPS = ("F", "B", "I", "W")
+#: Ops of an action order: forward, whole backward, input grad, weight grad, and the post of
+#: the send of a stage's activation (SF) or input gradient (SB), where an order places them
+#: itself (torch's runtime schedules post a send after a later pass: DualPipeV's overlapped
+#: F;B sends the forward's output once the backward is done too).
+ACTION_OPS = ("F", "B", "I", "W", "SF", "SB")
 
 
 def canonical(schedule: str | None) -> str | None:

@@ -61,6 +61,7 @@ class Op:
     chunk: int = 0
     msgs: tuple = ()
     handle: str = ""
+    seconds: float | None = None  # a pass's own duration, instead of the PipelineTimes one
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1, overlap_p2p
     return _program_flat("1f1b" if schedule == "interleaved" else schedule, p, r, m)
 
 
-def action_programs(orders: list, placement: list[int]) -> list[list[Op]]:
+def action_programs(orders: list, placement: list[int], seconds: dict | None = None) -> list[list[Op]]:
     """Programs from an action order, for schedules pptrace has no table of
     (torch.distributed.pipelining's LoopedBFS, InterleavedZeroBubble, ZBV, DualPipeV, ...).
 
@@ -238,12 +239,28 @@ def action_programs(orders: list, placement: list[int]) -> list[list[Op]]:
     in ``ACTION_OPS`` and ``stage`` the global stage index; ``placement``: global stage ->
     position. A pass waits for the message it consumes right before it runs and posts what it
     produces right after (torch's schedules do exactly that); stages on one position hand
-    tensors over locally. Chunk = global stage // p. Simulate such programs with eager sends:
-    torch posts its sends asynchronously and waits on them only later."""
+    tensors over locally. Chunk = global stage // p. An order that lists its sends ("SF",
+    "SB": the stage whose output is sent) posts them there instead of right after the pass.
+    ``seconds``: (op, global stage) -> a pass's duration, where known (else PipelineTimes'):
+    one stage's passes differ (torch's stage 0 runs no input grad, its W the whole backward),
+    which per-microbatch sums cannot tell.
+    Simulate such programs with eager sends: torch posts its sends asynchronously and waits
+    on them only later."""
     p = len(orders)
     last = len(placement) - 1
+
+    def send_fwd(s, stage, mb):
+        return _comm(Msg("fwd", True, s, placement[stage + 1], mb, stage + 1)) \
+            if stage < last and placement[stage + 1] != s else []
+
+    def send_bwd(s, stage, mb):
+        return _comm(Msg("bwd", True, s, placement[stage - 1], mb, stage - 1)) \
+            if stage > 0 and placement[stage - 1] != s else []
+
+    seconds = seconds or {}
     progs = []
     for s, order in enumerate(orders):
+        explicit = any(op in ("SF", "SB") for op, _, _ in order)
         prog: list[Op] = []
         for op, stage, mb in order:
             if op not in ACTION_OPS or not 0 <= stage <= last:
@@ -252,17 +269,17 @@ def action_programs(orders: list, placement: list[int]) -> list[list[Op]]:
             if op == "F":
                 if stage > 0 and placement[stage - 1] != s:
                     prog += _comm(Msg("fwd", False, placement[stage - 1], s, mb, stage))
-                prog.append(Op("F", mb, chunk))
-                if stage < last and placement[stage + 1] != s:
-                    prog += _comm(Msg("fwd", True, s, placement[stage + 1], mb, stage + 1))
+                prog.append(Op("F", mb, chunk, seconds=seconds.get(("F", stage))))
+                prog += [] if explicit else send_fwd(s, stage, mb)
             elif op in ("B", "I"):
                 if stage < last and placement[stage + 1] != s:
                     prog += _comm(Msg("bwd", False, placement[stage + 1], s, mb, stage))
-                prog.append(Op("B" if op == "B" else "I", mb, chunk))
-                if stage > 0 and placement[stage - 1] != s:
-                    prog += _comm(Msg("bwd", True, s, placement[stage - 1], mb, stage - 1))
+                prog.append(Op(op, mb, chunk, seconds=seconds.get((op, stage))))
+                prog += [] if explicit else send_bwd(s, stage, mb)
+            elif op == "W":
+                prog.append(Op("W", mb, chunk, seconds=seconds.get(("W", stage))))
             else:
-                prog.append(Op("W", mb, chunk))
+                prog += (send_fwd if op == "SF" else send_bwd)(s, stage, mb)
         progs.append(prog)
     return progs
 
@@ -339,6 +356,8 @@ class Timeline:
 
 
 def _duration(op: Op, times: PipelineTimes, stage: int, split_w: bool, v: int) -> float:
+    if op.seconds is not None:
+        return op.seconds
     if op.kind == "F":
         return times.fwd[stage, op.mb] / v
     if op.kind == "W":

@@ -2,8 +2,12 @@
 
 Every rank's main thread is replayed in its measured order: its passes (and any other
 top-level range) keep their measured durations, host time between ranges drops to zero,
-and a pipeline p2p op completes the moment its matched peer op has been posted (rendezvous
-with zero latency: gloo's and NCCL's send waits for the recv to be posted too). Ranges
+a pipeline recv completes the moment its matched send has been posted, and a send never
+holds its sender: free p2p is the schedule's pure data dependencies (the closed forms'
+model). gloo's and NCCL's sends do wait for their recv to be posted, and a trainer that waits
+on its sends (Megatron's combined ops) or whose integration closes a send's range only when
+it next looks (torch's runtime schedules wait on sends at the end of the step) shows that
+wait; it is owed to the transport's rendezvous, not to the order of the passes. Ranges
 nested in an open p2p op (ZB-H1's W passes, Megatron's overlap_p2p_comm) run between
 posting and waiting, as they did.
 
@@ -19,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 _POST, _WAIT, _RUN = 0, 1, 2
+_SENDS = ("send_fwd", "send_bwd")
 _REPLAYED = ("compute", "p2p", "wait", "comm:tp", "comm:cp", "comm:dp", "comm:ep")
 
 
@@ -29,15 +34,18 @@ def _actions(events: pd.DataFrame, lo: int, hi: int) -> list:
     ev = events[(events["start_ns"] >= lo).to_numpy() & (events["end_ns"] <= hi).to_numpy()]
     ev = ev.sort_values(["start_ns", "end_ns"], ascending=[True, False])
     is_pp = ((ev["category"] == "p2p") & (ev["kind"] == "pp")).to_numpy()
+    is_send = ev["op"].isin(_SENDS).to_numpy()
     timed = []  # (time, class, sequence, kind, payload)
     nested_until = -1  # end of the open top-level range that is not a pipeline p2p op
-    rows = zip(ev["start_ns"].to_numpy().tolist(), ev["end_ns"].to_numpy().tolist(), is_pp.tolist(), ev.index.tolist())
-    for seq, (start, end, pp, index) in enumerate(rows):
+    rows = zip(ev["start_ns"].to_numpy().tolist(), ev["end_ns"].to_numpy().tolist(), is_pp.tolist(),
+               is_send.tolist(), ev.index.tolist())
+    for seq, (start, end, pp, send, index) in enumerate(rows):
         if pp:
             timed.append((start, 1, seq, _POST, index))
-            # at one instant a range that ends there came before one that begins there,
-            # except a range's own end, which follows its beginning
-            timed.append((end, 0 if end > start else 2, seq, _WAIT, index))
+            if not send:  # free p2p: a send never holds its sender (see the module docstring)
+                # at one instant a range that ends there came before one that begins there,
+                # except a range's own end, which follows its beginning
+                timed.append((end, 0 if end > start else 2, seq, _WAIT, index))
         elif start >= nested_until:  # ranges inside a pass are part of the pass
             timed.append((start, 1, seq, _RUN, end - start))
             nested_until = end

@@ -111,20 +111,47 @@ _ACTION_OF = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
 
 def _measured_orders(times: pd.DataFrame, view, placement: list[int], p: int) -> list | None:
     """Per pipeline position, the (op, global stage, mb) order one of its ranks ran in its
-    first profiled step with passes: the schedule's own order, as the trace shows it."""
+    first profiled step with passes: the schedule's own order, as the trace shows it, with
+    the posts of its sends where it placed them ("SF"/"SB", of the producing stage)."""
     if times.empty:
         return None
     stage_of = {(pos, g // p): g for g, pos in enumerate(placement)}
+    sends = _send_posts(view)
     orders = []
     for pos in range(p):
         mine = times[times["stage"] == pos]
         if mine.empty:
             return None
-        first = mine[(mine["rank"] == mine["rank"].min()).to_numpy()]
-        first = first[(first["step"] == first["step"].min()).to_numpy()].sort_values("start_ns", kind="stable")
-        orders.append([(_ACTION_OF[op], stage_of.get((pos, int(c)), pos), int(mb))
-                       for op, c, mb in zip(first["op"], first["chunk"], first["mb"])])
+        rank = int(mine["rank"].min())
+        first = mine[(mine["rank"] == rank).to_numpy()]
+        step = int(first["step"].min())
+        first = first[(first["step"] == step).to_numpy()]
+        # (time, 1, action) for passes, (time, 0, action) for sends: a send posted the
+        # instant a pass began came first (the pass would have held the thread)
+        items = [(start, 1, (_ACTION_OF[op], stage_of.get((pos, int(c)), pos), int(mb)))
+                 for start, op, c, mb in zip(first["start_ns"], first["op"], first["chunk"], first["mb"])]
+        posted = sends[(sends["rank"] == rank).to_numpy() & (sends["step"] == step).to_numpy()]
+        for start, op, peer, c, mb in zip(posted["start_ns"], posted["op"], posted["peer_pos"], posted["chunk"], posted["mb"]):
+            consumer = stage_of.get((int(peer), int(c)))
+            if consumer is not None and mb >= 0:  # the send's chunk is its consumer's
+                items.append((start, 0, ("SF", consumer - 1, int(mb)) if op == "send_fwd" else ("SB", consumer + 1, int(mb))))
+        orders.append([action for _, _, action in sorted(items, key=lambda item: item[:2])])
     return orders
+
+
+def _send_posts(view) -> pd.DataFrame:
+    """Host pipeline sends with mb and peer: rank, step, start_ns, op, peer_pos, chunk, mb."""
+    ev = view.events
+    sel = ev[(ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
+             & ~ev["gpu_annotation"].to_numpy() & ev["op"].isin(("send_fwd", "send_bwd")).to_numpy()
+             & ev["peer"].notna().to_numpy() & ev["mb"].notna().to_numpy()]
+    pos = {r: view.layout.coords(r).pp for r in range(view.layout.world_size)}
+    return pd.DataFrame({
+        "rank": sel["rank"].to_numpy(np.int64), "step": sel["step"].to_numpy(np.int64),
+        "start_ns": sel["start_ns"].to_numpy(np.int64), "op": sel["op"].astype(str).to_numpy(),
+        "peer_pos": sel["peer"].astype("Int64").map(pos).fillna(-1).to_numpy(np.int64),
+        "chunk": sel["chunk"].fillna(0).to_numpy(np.int64), "mb": sel["mb"].to_numpy(np.int64),
+    })
 
 
 def _recorded_orders(view, p: int) -> list | None:
@@ -149,9 +176,11 @@ def action_orders(view, times: pd.DataFrame, v: int):
     recorded = getattr(view, "stage_ranks", None)
     if recorded and len(recorded) == p * v:
         placement = [view.layout.coords(int(r)).pp for r in recorded]
-    orders, source = _recorded_orders(view, p), "replay of the schedule's recorded action order"
+    # The order as the trace ran it comes first: it holds where sends were posted too; the
+    # order the integration recorded (passes only) serves where the trace lacks passes.
+    orders, source = _measured_orders(times, view, placement, p), "replay of the measured action order"
     if orders is None:
-        orders, source = _measured_orders(times, view, placement, p), "replay of the measured action order"
+        orders, source = _recorded_orders(view, p), "replay of the schedule's recorded action order"
     return None if orders is None else (orders, placement, source)
 
 
@@ -170,8 +199,14 @@ def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: in
     t_w = stages["t_wgrad_s"].to_numpy()
     pipe = PipelineTimes(column(stages["t_fwd_s"]), column(np.maximum(stages["t_bwd_s"].to_numpy() - t_w, 0)),
                          column(t_w), 0.0)
+    stage_of = {(pos, g // view.layout.pp): g for g, pos in enumerate(placement)}
+    mean = times.assign(action=times["op"].map(_ACTION_OF),
+                        gstage=[stage_of.get((int(s), int(c)), int(s)) for s, c in zip(times["stage"], times["chunk"])]
+                        ).groupby(["action", "gstage"])["dur_s"].mean()
+    seconds = {(str(a), int(g)): float(t) for (a, g), t in mean.items()}
     try:
-        timeline = simulate(str(view.schedule), pipe, v, sends="eager", programs=action_programs(orders, placement))
+        timeline = simulate(str(view.schedule), pipe, v, sends="eager",
+                            programs=action_programs(orders, placement, seconds))
     except ValueError:
         return None
     return timeline.makespan_s, np.maximum(timeline.makespan_s - timeline.stages["compute_s"].to_numpy(), 0.0), source

@@ -34,6 +34,8 @@ class RunView:
     #: rank -> its recorded action order [(op, global stage, mb)] (integrations, pptrace block)
     pipeline_actions: dict = field(default_factory=dict)
     stage_ranks: tuple | None = None  # global stage -> global rank, when recorded
+    #: what was inferred from a plain trace (Run.inferred): field -> how, one line each
+    inferred: dict = field(default_factory=dict)
 
     def __post_init__(self):
         missing = {"rank", "lane_kind", "start_ns", "end_ns", "category"} - set(self.events.columns)
@@ -136,4 +138,5 @@ def view_of(run) -> RunView:
         process_groups=process_groups(meta),
         pipeline_actions=actions,
         stage_ranks=stage_ranks,
+        inferred=dict(getattr(run, "inferred", None) or {}),
     )
