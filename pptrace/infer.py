@@ -164,7 +164,7 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None) -
     work = work.assign(auto=kind[main & ~not_work & ~is_step] == "autograd")
     steps = events.loc[main & is_step, ["rank", "step", "start_ns", "end_ns"]]
     passes = _passes(rows, ops, work, steps, pp or 1)
-    _schedule(rows, passes, pp, v, out)
+    passes = _schedule(rows, passes, stage_of, pp, v, out)
     out.events = _write(events, ops, passes, _gaps(passes, work))
     return out
 
@@ -365,8 +365,8 @@ def _layout(stage_of: dict, pp: int, world: int, metas: dict, out: Inference) ->
 
 
 def _directions(ops: pd.DataFrame, stage_of: dict, pp: int | None) -> pd.DataFrame:
-    """Direction where no name gave it (towards a later stage: fwd), mb by FIFO order per
-    (rank, step, side, peer, direction), chunk from the named stage."""
+    """Direction where no name gave it (towards the next stage: fwd), mb by FIFO order per
+    (rank, step, side, peer, direction)."""
     if ops.empty:
         return ops
     ops = ops.copy()
@@ -374,7 +374,10 @@ def _directions(ops: pd.DataFrame, stage_of: dict, pp: int | None) -> pd.DataFra
     dst = np.where(ops["is_send"], ops["peer"], ops["rank"])
     s_src = pd.Series(src).map(stage_of).fillna(-1).to_numpy()
     s_dst = pd.Series(dst).map(stage_of).fillna(-1).to_numpy()
-    guess = np.where((ops["peer"] >= 0) & (s_src >= 0) & (s_dst >= 0), np.where(s_dst > s_src, "fwd", "bwd"), "")
+    # towards the next stage: fwd, the previous: bwd; interleaved schedules wrap around from
+    # the last stage to the first (with two stages, next and previous are one rank: by order)
+    ahead = (s_dst - s_src) % pp == 1 if pp and pp > 2 else s_dst > s_src
+    guess = np.where((ops["peer"] >= 0) & (s_src >= 0) & (s_dst >= 0), np.where(ahead, "fwd", "bwd"), "")
     ops["dir"] = np.where(ops["dir"] != "", ops["dir"], guess)
     counted = ops["mb"] < 0
     order = ops.groupby(["rank", "step", "is_send", "peer", "dir"], sort=False).cumcount().to_numpy()
@@ -540,8 +543,9 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
     has_ops = np.zeros(n_iv, bool)
     has_ops[np.unique(iv)] = True
     batch = np.cumsum(np.r_[True, has_ops | (cut_k[:-1] == 0) | (cut_k[:-1] == 3)])
-    sends = pd.DataFrame({"b": batch, "fwd": np.isin(cut_k, (1, 5)), "bwd": cut_k == 4})
+    sends = pd.DataFrame({"b": batch, "fwd": np.isin(cut_k, (1, 5)), "bwd": cut_k == 4, "known": cut_k == 1})
     fwd_next = sends.groupby("b")["fwd"].transform("any").to_numpy()
+    known_fwd_next = sends.groupby("b")["known"].transform("any").to_numpy()
     bwd_next = sends.groupby("b")["bwd"].transform("any").to_numpy()
     runs = _runs(iv, ws, we, in_auto)
     # ops after a backward that end in a backward send belong to that backward (the last
@@ -555,12 +559,16 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
     r_first, r_last = runs["first"], runs["last"]
     send_next = fwd_next[r_iv + 1] & (cut_k[r_iv + 1] != 3)
     next_auto = np.r_[r_auto[1:], False] & ~last_in_iv
-    is_pass = r_auto | next_auto | (last_in_iv & send_next)
-    # ops between a backward and a send whose direction is unknown (no peers): a forward
-    # (rank 0 of 1F1B) or the backward's tail (the last stage); settled by count below
-    unsure = ~r_auto & last_in_iv & ~first_in_iv & np.r_[False, r_auto[:-1]] & ~bwd_next[r_iv + 1] \
-        & np.isin(cut_k[r_iv + 1], (5, 2))
-    sel = is_pass & (r_last > r_first)
+    # a forward that hands its output to a send posted next is sure; other runs of ops may
+    # be forwards too (the last stage's, right before its backward; a forward whose send
+    # comes later, as with Megatron's overlap_p2p_comm) or bookkeeping: settled by count in
+    # _one_forward_per_backward. Never one: the set-up before a step's first recv, and what
+    # follows the step's last post (optimizer, logging)
+    after_bwd = ~first_in_iv & np.r_[False, r_auto[:-1]]  # its send may be the backward's
+    sure = ~r_auto & last_in_iv & send_next & (known_fwd_next[r_iv + 1] | ~after_bwd)
+    setup = (cut_k[r_iv] == 0) & ~fwd_next[r_iv + 1]
+    unsure = ~r_auto & ~sure & ~setup & (cut_k[r_iv + 1] != 3)
+    sel = (r_auto | sure | unsure) & (r_last > r_first)
     return pd.DataFrame({
         "rank": rank, "pid": int(work["pid"].iloc[0]), "tid": int(work["tid"].iloc[0]),
         "step": _step_of(steps, r_first[sel]), "start_ns": r_first[sel], "end_ns": r_last[sel],
@@ -569,17 +577,19 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
 
 
 def _one_forward_per_backward(passes: pd.DataFrame) -> pd.DataFrame:
-    """Every microbatch a stage runs forward it runs backward: where a rank's step has more
-    forwards than backwards, its shortest unsure ones were not forwards."""
-    n_f = passes[passes["op"] == "fwd"].groupby(["rank", "step"]).size()
+    """Every microbatch a stage runs forward it runs backward: of a rank's unsure forwards
+    in a step, the longest make up the count of its backwards (beside the sure ones); the
+    others were not forwards."""
     n_b = passes[passes["op"] == "bwd"].groupby(["rank", "step"]).size()
-    excess = (n_f - n_b.reindex(n_f.index, fill_value=0)).clip(lower=0)
-    if not passes["unsure"].any() or not excess.any():
+    n_sure = passes[(passes["op"] == "fwd") & ~passes["unsure"]].groupby(["rank", "step"]).size()
+    room = (n_b - n_sure.reindex(n_b.index, fill_value=0)).clip(lower=0)
+    unsure = passes[passes["unsure"]]
+    if unsure.empty:
         return passes
-    unsure = passes[passes["unsure"]].assign(dur=lambda d: d["end_ns"] - d["start_ns"]).sort_values("dur")
-    unsure = unsure.assign(k=unsure.groupby(["rank", "step"]).cumcount())
-    limit = unsure.set_index(["rank", "step"]).index.map(excess).to_numpy()
-    drop = unsure.index[unsure["k"].to_numpy() < np.nan_to_num(limit.astype(float))]
+    unsure = unsure.assign(dur=unsure["end_ns"] - unsure["start_ns"]).sort_values("dur", ascending=False, kind="stable")
+    rank_in = unsure.groupby(["rank", "step"]).cumcount().to_numpy()
+    limit = pd.MultiIndex.from_arrays([unsure["rank"], unsure["step"]]).map(room).to_numpy(dtype=float)
+    drop = unsure.index[rank_in >= np.nan_to_num(limit)]
     return passes.drop(index=drop)
 
 
@@ -607,34 +617,67 @@ def _step_of(steps: pd.DataFrame, t: np.ndarray) -> np.ndarray:
 # -------------------------------------------------------------------------------------------
 # schedule and microbatches
 # -------------------------------------------------------------------------------------------
-def _schedule(rows: pd.DataFrame, passes: pd.DataFrame, pp, v: int, out: Inference) -> None:
+def _schedule(rows: pd.DataFrame, passes: pd.DataFrame, stage_of, pp, v: int, out: Inference) -> pd.DataFrame:
+    """Fill the schedule, microbatches and vpp of ``out``; -> the passes, their (mb, chunk)
+    taken from the schedule's table where their order is a known schedule's."""
     kinds = set(rows["kind"].unique())
     if passes.empty:
-        return
-    fwd = passes[passes["op"] == "fwd"]
-    if len(fwd):
-        out.microbatches = int(fwd.groupby(["rank", "step"])["mb"].nunique().max())
-        out.inferred["microbatches"] = f"{out.microbatches}: distinct microbatches of a rank's forwards in a step"
-    out.vpp = v
+        return passes
     by_order = bool(passes.attrs.get("by_order")) and not (kinds & {"pass", "gpipe", "overlap"})
     out.inferred["passes"] = (
-        "from the main thread's ops between p2p posts (no pass names; backward = autograd ops, mb by order)"
-        if by_order else "from PyTorch's pass ranges (PP:<stage><action><mb>, Forward i / Backward i), "
-                         "less the recv wait they include")
+        "from the main thread's ops between p2p posts (no pass names; backward = autograd ops; "
+        "mb and chunk by their order)" if by_order else
+        "from PyTorch's pass ranges (PP:<stage><action><mb>, Forward i / Backward i), less the recv wait they include")
     out.inferred["p2p"] = "gloo:send / gloo:recv ranges, from the post until wait() returned"
     named = rows[rows["kind"] == "pass"]
+    how = None
     if "gpipe" in kinds:
         out.schedule, how = "ScheduleGPipe", "'Forward i' / 'Backward i' ranges"
     elif len(named) or "overlap" in kinds:
         out.schedule, how = _pp_schedule(named, kinds, pp, v), "PyTorch's PP: action ranges"
-    elif pp:
-        out.schedule, how = _order_schedule(passes, pp)
-    else:
-        return
+    elif pp and stage_of is not None:
+        found = _order_schedule(passes, pp, stage_of)
+        if found is not None:
+            out.schedule, v, passes = found
+            how = "the order of its passes (no pass names in the trace)"
+    out.vpp = v
     if out.schedule:
         out.inferred["schedule"] = f"{out.schedule} from {how}"
-        if v > 1:
-            out.inferred["vpp"] = f"{v} stages per rank from the PP: stage ids"
+    if v > 1:
+        out.inferred["vpp"] = f"{v} model chunks per rank, from " + ("the PP: stage ids" if how and "PP:" in how else how)
+    fwd = passes[passes["op"] == "fwd"]
+    if len(fwd):
+        out.microbatches = int(fwd.groupby(["rank", "step"])["mb"].nunique().max())
+        out.inferred["microbatches"] = f"{out.microbatches}: distinct microbatches of a rank's forwards in a step"
+    return passes
+
+
+def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict):
+    """Schedules that name nothing: the first of 1F1B, GPipe and Megatron's interleaved
+    (v = 2..4) whose table (pptrace.schedules) has every rank's order of forwards and
+    backwards in every step -> (name, v, passes with that table's mb and chunk), or None."""
+    from .schedules import schedule_table
+
+    order = passes.sort_values(["rank", "step", "start_ns"], kind="stable").reset_index(drop=True)
+    groups = {k: g.index.to_numpy() for k, g in order.groupby(["rank", "step"])}
+    seqs = {k: "".join("F" if o == "fwd" else "B" for o in order.loc[idx, "op"]) for k, idx in groups.items()}
+    n_f = max(seq.count("F") for seq in seqs.values())
+    candidates = [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
+    for name, v in candidates:
+        m = n_f // v
+        try:
+            tables = {r: schedule_table(name, pp, stage_of[r], m, v) for r, _ in seqs if r in stage_of}
+        except ValueError:
+            continue
+        if len(tables) < len({r for r, _ in seqs}) or any(
+                seq != "".join(a for a, _, _ in tables[r]) for (r, _), seq in seqs.items()):
+            continue
+        mb, chunk = order["mb"].to_numpy(np.int64).copy(), order["chunk"].to_numpy(np.int64).copy()
+        for (r, _), idx in groups.items():
+            mb[idx] = [j for _, j, _ in tables[r]]
+            chunk[idx] = [c for _, _, c in tables[r]]
+        return name, v, order.assign(mb=mb, chunk=chunk)
+    return None
 
 
 def _pp_schedule(named: pd.DataFrame, kinds: set, pp, v: int) -> str:
@@ -656,28 +699,6 @@ def _pp_schedule(named: pd.DataFrame, kinds: set, pp, v: int) -> str:
             bfs = False
             break
     return "ScheduleLoopedBFS" if bfs else "ScheduleInterleaved1F1B"
-
-
-def _order_schedule(passes: pd.DataFrame, pp: int):
-    """Schedules without names: 1F1B or GPipe when every rank's order of forwards and
-    backwards is that schedule's, else unknown."""
-    from .schedules import schedule_table
-
-    first = passes[passes["step"] == passes["step"].min()].sort_values("start_ns")
-    m = int(first[first["op"] == "fwd"].groupby("rank")["mb"].nunique().max()) if len(first) else 0
-    if not m:
-        return None, ""
-    for name in ("1f1b", "gpipe"):
-        fits = True
-        for r, g in first.groupby("rank"):
-            # stage r's order; the stage is not needed for the check beyond the warm-up count
-            seen = [("F" if op == "fwd" else "B", int(mb)) for op, mb in zip(g["op"], g["mb"])]
-            if not any(seen == [(a, j) for a, j, _ in schedule_table(name, pp, s, m)] for s in range(pp)):
-                fits = False
-                break
-        if fits:
-            return name, "the order of its passes (no pass names in the trace)"
-    return None, ""
 
 
 # -------------------------------------------------------------------------------------------

@@ -361,3 +361,54 @@ def test_plain_without_record_shapes_warns_and_still_finds_the_passes(tmp_path):
             assert (mine["op"] == "fwd").sum() == (mine["op"] == "bwd").sum() == 8
             slept = sum(b - a for a, b in _sleeps(t, step))
             assert abs(mine["dur_ns"].sum() / slept - 1) < 0.10
+
+
+@pytest.mark.slow
+def test_plain_device_mesh_pipelines_from_mesh_pp(tmp_path):
+    """dp = 2: two pipelines of 2 stages, the pp group named by DeviceMesh ("mesh_pp");
+    the peers in "Concrete Inputs" are ranks of that group."""
+    from pipelining_run import load_truth, run
+
+    out = run(tmp_path / "run", "Schedule1F1B", mode="plain", **{**RUN, "dp": 2, "microbatches": 4})
+    loaded, truth = load_run(out, use_cache=False), load_truth(out)
+    assert (loaded.layout.pp, loaded.layout.dp) == (2, 2)
+    assert "pipeline process group" in loaded.inferred["layout"]
+    for rank, t in truth.items():
+        assert loaded.layout.group_ranks("pp", rank) == t["pp_ranks"]
+        assert loaded.layout.coords(rank).pp == t["pp_rank"]
+    pairs = loaded.pairs[loaded.pairs["step"].isin(PROFILED)]
+    assert len(pairs) == 2 * 2 * 4 * len(PROFILED)  # 2 replicas x (fwd + bwd) x 4 microbatches
+    assert {(int(s), int(d)) for s, d in zip(pairs["src"], pairs["dst"])} == {
+        (a, b) for g in ({0: [0, 2], 1: [1, 3]}).values() for a, b in ((g[0], g[1]), (g[1], g[0]))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_plain_megatron_core(tmp_path, schedule):
+    """Megatron-Core names nothing in a torch.profiler trace: the layout comes from its
+    PIPELINE_MODEL_PARALLEL_GROUP, passes from the ops between posts, and the schedule, with
+    every pass's microbatch and model chunk, from their order."""
+    pytest.importorskip("megatron.core")
+    from megatron_run import load_truth, run
+
+    out = run(tmp_path / "run", schedule, world=4, microbatches=8, steps=3, profile_steps="1-2", mode="plain",
+              fwd_ms=20, bwd_ms=40)
+    loaded, truth = load_run(out, use_cache=False), load_truth(out)
+    assert (loaded.layout.pp, loaded.layout.dp) == (4, 1)
+    assert [loaded.layout.coords(r).pp for r in sorted(truth)] == [truth[r]["pp_rank"] for r in sorted(truth)]
+    assert (loaded.schedule, loaded.microbatches, loaded.vpp) == (schedule, 8, 2 if schedule == "interleaved" else 1)
+    ev = loaded.events
+    for rank, t in truth.items():
+        for step in PROFILED:
+            mine = ev[(ev["category"] == "compute") & (ev["rank"] == rank) & (ev["step"] == step)]
+            passes = [p for p in t["passes"] if p["step"] == step]
+            assert abs(mine["dur_ns"].sum() / sum(p["end_ns"] - p["start_ns"] for p in passes) - 1) < 0.10
+            # each logged pass lies in an inferred pass with its op, microbatch and chunk
+            for p in passes:
+                mid = (p["start_ns"] + p["end_ns"]) // 2
+                hit = mine[(mine["raw_start_ns"] <= mid) & (mine["raw_end_ns"] >= mid)]
+                assert [(str(o), int(m), int(c)) for o, m, c in zip(hit["op"], hit["mb"], hit["chunk"])] == [
+                    (p["op"], p["mb"], p["chunk"])], (rank, step, p)
+    boundaries = 4 * (2 if schedule == "interleaved" else 1) - 1
+    assert len(loaded.pairs[loaded.pairs["step"].isin(PROFILED)]) == 2 * boundaries * 8 * len(PROFILED)
+    assert not [w for w in loaded.warnings if "no matching" in w]
