@@ -68,6 +68,7 @@ inferred           bool       kind/op/tags were inferred from a foreign name or 
 """
 from __future__ import annotations
 
+import math
 import re
 from itertools import compress
 from operator import attrgetter
@@ -220,7 +221,6 @@ class RawEvent(msgspec.Struct, gc=False):
 
 
 _EMPTY_ARGS = RawArgs()
-_P2P_ARG_FIELDS = tuple(attrgetter(f) for f in ("concrete", "input_dims", "input_type"))
 _RPC_ATTRS = (
     ("Collective name", "collective"), ("Process Group Ranks", "group_ranks"),
     ("Process Group Name", "pg_name"), ("In msg nelems", "in_nelems"),
@@ -518,7 +518,11 @@ def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_befor
         for i in [i for i, c in enumerate(collective) if c is not unset]:
             rpc[n_before + i] = {key: getattr(args[i], attr) for key, attr in _RPC_ATTRS}
     for i in _p2p_positions(name):
-        p2p[n_before + i] = p2p_args(name[i], *(_raw_value(get(args[i])) for get in _P2P_ARG_FIELDS))
+        a = args[i]
+        if name[i].startswith("c10d::"):  # only what each kind of row uses is decoded
+            p2p[n_before + i] = p2p_args(name[i], _raw_value(a.concrete), None, None)
+        else:
+            p2p[n_before + i] = p2p_args(name[i], None, _raw_value(a.input_dims), _raw_value(a.input_type))
     return None, ts, dur, dropped
 
 
@@ -656,7 +660,7 @@ def p2p_args(name: str, concrete, dims, types) -> dict | None:
         size = DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
         if size is None or not isinstance(shape, list) or not all(type(d) is int for d in shape):
             return None
-        total += size * int(np.prod(shape, dtype=np.int64))
+        total += size * math.prod(shape)
     return {"bytes": total}
 
 
