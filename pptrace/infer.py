@@ -136,7 +136,7 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None) -
     table = _name_table(events["name"].cat.categories)
     codes = events["name"].cat.codes.to_numpy()
     kind = np.where(codes >= 0, table["kind"].to_numpy(object)[codes], "")
-    main = (events["lane"].astype(str) == "main").to_numpy() & (events["step"].to_numpy() >= 0)
+    main = (events["lane"] == "main").to_numpy() & (events["step"].to_numpy() >= 0)  # categorical: by code
     known = main & (kind != "")
     if not (known & np.isin(kind, ["wire", "pass", "gpipe", "overlap"])).any():
         return None
@@ -146,7 +146,7 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None) -
     c = codes[known]
     for col in ("stage", "act", "mb", "send"):
         rows[col] = table[col].to_numpy()[c]
-    rows["name"] = events["name"].to_numpy()[known] if len(rows) else []
+    rows["name"] = events.loc[known, "name"].astype(object).to_numpy()
 
     ops = _p2p_ops(rows, metas, out)
     stage_of, pp, v = _pipeline(rows, ops, metas, out)
