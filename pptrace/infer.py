@@ -5,29 +5,37 @@ torch.distributed.pipelining (torchtitan) and gloo write into the contract-1 col
 matching (match.py) and every analyzer work on a plain run as on an instrumented one, and
 marks each such row ``inferred``:
 
-- p2p: a ``gloo:send`` / ``gloo:recv`` range (main thread, from the post until ``wait()``
-  returns) becomes ``pp:send_<dir>`` / ``pp:recv_<dir>`` with the peer of the ``c10d::send``
-  / ``c10d::recv_`` post before it ("Concrete Inputs", a *group* rank: mapped to a global
+- p2p: each ``c10d::send`` / ``c10d::recv_`` post with its ``gloo:send`` / ``gloo:recv`` range
+  (main thread, until ``wait()`` returns) becomes an appended ``pp:send_<dir>`` /
+  ``pp:recv_<dir>`` row spanning both (a send's data leaves at its post), with the peer of
+  the post ("Concrete Inputs", a *group* rank: mapped to a global
   rank through the pipeline group of ``distributedInfo.pg_config``, else the default group),
   direction and mb from the ``PP:<stage>SEND_F<mb>`` range around the post where the
-  schedule names it, else from the stage order (towards a later stage: fwd) and FIFO order
-  per (step, src, dst, direction).
+  schedule names it, else from the stage order (towards the next stage: fwd) and FIFO order
+  per (step, src, dst, direction). :func:`_p2p_rows` builds the rows from a table of ops
+  (rank, step, is_send, peer, dir, mb, stage, bytes, post/wire times) whatever transport
+  they came from.
 - passes: ``PP:<stage><F|B|I|W><mb>``, ``PP:(<sub>;<sub>)OVERLAP_F_B`` (DualPipeV: split at
   its first autograd op) and ``Forward i`` / ``Backward i`` (GPipe) become appended
   ``compute:<op> mb= chunk=`` rows. Those ranges start with the wait on a recv posted
   earlier (and GPipe's end with the next send's post), so a pass is the part of the range
-  after the last p2p range that *ends* inside it (that wait returned there) and before the
-  first post inside it. Schedules that name nothing (Schedule1F1B, Megatron) get passes from
-  the main thread's ops between p2p posts: after the wait returns, up to the last op;
-  autograd ops (``autograd::engine::evaluate_function``) are backward; mb by counting.
+  after the last recv that *ends* inside it (that wait returned there) and before the first
+  send posted inside it, cut to the ops in it. Schedules that name nothing (Schedule1F1B,
+  Megatron-Core) get passes from the main thread's ops between p2p posts: runs of autograd
+  ops (``autograd::engine::evaluate_function``) are backwards, a forward is the run of ops
+  before a forward send (or settled by count: one forward per backward); microbatch and
+  chunk come from the table of the schedule whose order they follow (1F1B, GPipe,
+  Megatron's interleaved), else by counting. Compute is the ops: stretches inside a pass
+  where no op runs become ``host:between_ops`` rows nested in it (not compute).
 - layout: the pipeline group of pg_config (Megatron's PIPELINE_MODEL_PARALLEL_GROUP,
   DeviceMesh ``mesh_pp``), else the stage ids of ``PP:`` names, else the forward chain of
-  each rank's first send; schedule from the names (or the order of passes), microbatches
-  from the passes.
+  sends starting at each rank that sends before it receives; schedule from the names (or
+  the order of passes), microbatches from the passes.
 
-The pass rows are appended rather than written over the foreign ranges because their
-times differ (the wait is cut off) and Schedule1F1B has no range to write on; the foreign
-rows stay as the trace has them. Everything inferred is listed in ``Inference.inferred``.
+The inferred rows (cat ``pptrace_inferred``) are appended rather than written over the
+foreign ranges because their times differ (a pass without its wait, a p2p op with its post)
+and Schedule1F1B has no range to write on; the foreign rows stay as the trace has them.
+Everything inferred is listed in ``Inference.inferred`` (``Run.inferred``).
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from .analyzers.intervals import union
-from .events import COLUMNS, tags_of
+from .events import tags_of
 from .topology import DIMS, Layout
 
 _PASS = re.compile(r"^PP:(\d+)([FBIW])(\d+)$")
@@ -205,7 +213,8 @@ def _p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
     post (-1 / "" where none), bytes."""
     wires = rows[rows["kind"] == "wire"]
     if wires.empty:
-        return pd.DataFrame(columns=["index", "post_index", "post_start", "rank", "pid", "tid", "step", "is_send", "start_ns", "end_ns", "peer", "tag",
+        return pd.DataFrame(columns=["index", "post_index", "post_start", "rank", "pid", "tid", "step", "is_send",
+                                     "start_ns", "end_ns", "peer", "tag",
                                      "stage", "dir", "mb", "bytes"])
     posts = rows[rows["kind"] == "post"]
     found = {}
@@ -244,7 +253,8 @@ def _p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
     ops = pd.DataFrame({
         "index": ops["index"].to_numpy(np.int64), "post_index": ops["post_index"].fillna(-1).to_numpy(np.int64),
         "post_start": ops["post_start"].fillna(-1).to_numpy(np.int64),
-        "rank": ops["rank"].to_numpy(np.int64), "pid": ops["pid"].to_numpy(np.int64), "tid": ops["tid"].to_numpy(np.int64),
+        "rank": ops["rank"].to_numpy(np.int64), "pid": ops["pid"].to_numpy(np.int64),
+        "tid": ops["tid"].to_numpy(np.int64),
         "step": ops["step"].to_numpy(np.int64), "is_send": ops["send"].to_numpy(bool),
         "start_ns": ops["start_ns"].to_numpy(np.int64), "end_ns": ops["end_ns"].to_numpy(np.int64),
         "peer": peer, "tag": ops["tag"].fillna(0).to_numpy(np.int64),
@@ -355,7 +365,8 @@ def _layout(stage_of: dict, pp: int, world: int, metas: dict, out: Inference) ->
     for order in orders:
         layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order)
         if all(layout.coords(r).pp == s for r, s in stage_of.items() if r < world) and all(
-                sorted(layout.group_ranks(d, r)) == sorted(g) for d in ("tp", "cp") for r, g in groups.get(d, {}).items()):
+                sorted(layout.group_ranks(d, r)) == sorted(g)
+                for d in ("tp", "cp") for r, g in groups.get(d, {}).items()):
             return layout
     order = " ".join(f"{r}:{s}" for r, s in sorted(stage_of.items()))
     out.warnings.append(
@@ -500,7 +511,8 @@ def _passes_between_posts(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFr
     out = [p for p in out if p is not None and len(p)]
     if not out:
         return pd.DataFrame(columns=_PASS_COLUMNS)
-    passes = _one_forward_per_backward(pd.concat(out, ignore_index=True)).sort_values(["rank", "start_ns"], kind="stable")
+    passes = _one_forward_per_backward(pd.concat(out, ignore_index=True))
+    passes = passes.sort_values(["rank", "start_ns"], kind="stable")
     passes["mb"] = passes.groupby(["rank", "step", "op"]).cumcount().to_numpy()
     passes.attrs["by_order"] = True
     return passes[_PASS_COLUMNS].reset_index(drop=True)
@@ -516,7 +528,8 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
     cut_e = np.concatenate([posts["end_ns"].to_numpy(np.int64), st0, st1])
     # posts: 1 a forward send, 4 a backward send, 5 a send of unknown direction, 2 a recv
     post_dir = posts.index.map(post_dirs).to_numpy(object) if post_dirs else np.full(len(posts), "", dtype=object)
-    post_k = np.where(posts["send"].to_numpy(bool), np.where(post_dir == "fwd", 1, np.where(post_dir == "bwd", 4, 5)), 2)
+    send_k = np.where(post_dir == "fwd", 1, np.where(post_dir == "bwd", 4, 5))
+    post_k = np.where(posts["send"].to_numpy(bool), send_k, 2)
     cut_k = np.concatenate([post_k, np.zeros(len(st0), int), np.full(len(st1), 3)])
     order = np.lexsort((cut_k, cut_s))
     cut_s, cut_e, cut_k = cut_s[order], cut_e[order], cut_k[order]
@@ -532,7 +545,10 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
     auto_s = np.sort(ws[is_auto])
     auto_e = we[is_auto][np.argsort(ws[is_auto], kind="stable")]
     j = np.searchsorted(auto_s, ws, side="right") - 1
-    in_auto = (j >= 0) & (we <= np.maximum.accumulate(auto_e)[np.clip(j, 0, None)] if len(auto_e) else np.zeros(len(ws), bool))
+    if len(auto_e):
+        in_auto = (j >= 0) & (we <= np.maximum.accumulate(auto_e)[np.clip(j, 0, None)])
+    else:
+        in_auto = np.zeros(len(ws), bool)
     iv, ws, we, in_auto = iv[ok], ws[ok], we[ok], in_auto[ok]
     if not len(iv):
         return None
@@ -644,7 +660,8 @@ def _schedule(rows: pd.DataFrame, passes: pd.DataFrame, stage_of, pp, v: int, ou
     if out.schedule:
         out.inferred["schedule"] = f"{out.schedule} from {how}"
     if v > 1:
-        out.inferred["vpp"] = f"{v} model chunks per rank, from " + ("the PP: stage ids" if how and "PP:" in how else how)
+        source = "the PP: stage ids" if how and "PP:" in how else how
+        out.inferred["vpp"] = f"{v} model chunks per rank, from {source}"
     fwd = passes[passes["op"] == "fwd"]
     if len(fwd):
         out.microbatches = int(fwd.groupby(["rank", "step"])["mb"].nunique().max())
@@ -662,7 +679,8 @@ def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict):
     groups = {k: g.index.to_numpy() for k, g in order.groupby(["rank", "step"])}
     seqs = {k: "".join("F" if o == "fwd" else "B" for o in order.loc[idx, "op"]) for k, idx in groups.items()}
     n_f = max(seq.count("F") for seq in seqs.values())
-    candidates = [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
+    candidates = [("1f1b", 1), ("gpipe", 1)]
+    candidates += [("interleaved", v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
     for name, v in candidates:
         m = n_f // v
         try:
@@ -718,7 +736,9 @@ def _gaps(passes: pd.DataFrame, work: pd.DataFrame) -> pd.DataFrame:
             i = np.clip(np.searchsorted(first["start_ns"].to_numpy(np.int64), s, side="right") - 1, 0, len(first) - 1)
             out.append(pd.DataFrame({"rank": r, "pid": first["pid"].iloc[0], "tid": first["tid"].iloc[0],
                                      "step": first["step"].to_numpy()[i], "start_ns": s, "end_ns": e}))
-    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["rank", "pid", "tid", "step", "start_ns", "end_ns"])
+    if not out:
+        return pd.DataFrame(columns=["rank", "pid", "tid", "step", "start_ns", "end_ns"])
+    return pd.concat(out, ignore_index=True)
 
 
 def _write(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame, gaps: pd.DataFrame) -> pd.DataFrame:
@@ -849,4 +869,4 @@ def _append(events: pd.DataFrame, new: dict) -> pd.DataFrame:
     return pd.DataFrame(cols, columns=events.columns)
 
 
-__all__ = ["Inference", "infer_run", "is_plain", "NO_PEERS_HINT", "COLUMNS"]
+__all__ = ["Inference", "infer_run", "is_plain", "NO_PEERS_HINT"]
