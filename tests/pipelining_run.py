@@ -16,7 +16,10 @@
   ``time_ns`` (comparable with trace times: ``baseTimeNanoseconds + ts * 1000``). Also the
   schedule's own ``pipeline_order`` for this rank (``[op, stage, mb]``, OVERLAP_F_B expanded
   into its sub-actions; torch 2.13 computes it wrongly for Schedule1F1B's last stage, where
-  it lists F1..F8: the executed order is each step's ``actions``), ``stage_ranks`` (global
+  it lists F1..F8: the executed order is each step's ``actions``), for the runtime schedules
+  (``_PipelineScheduleRuntime`` and its subclasses) ``pipeline_order_with_comms``, the order
+  they run, with their send posts as ``["SF" | "SB", sending stage, mb]`` where they stand
+  (None for GPipe / 1F1B, which post each send right after its pass), ``stage_ranks`` (global
   stage -> global rank) and this rank's stages.
 
 Schedules: ScheduleGPipe, Schedule1F1B (one stage per rank); ScheduleInterleaved1F1B,
@@ -207,16 +210,18 @@ def _loss(output, target):
     return ((output - target) ** 2).mean()
 
 
-def _order_rows(actions) -> list:
-    """torch's action list -> [op, stage, mb] rows of compute actions (sub-actions expanded)."""
+def _order_rows(actions, sends: bool = False) -> list:
+    """torch's action list -> [op, stage, mb] rows of compute actions (sub-actions expanded);
+    with ``sends``, SEND_F / SEND_B too, as ["SF" | "SB", sending stage, mb] where they stand."""
+    names = {"F": "F", "B": "B", "I": "I", "W": "W", **({"SEND_F": "SF", "SEND_B": "SB"} if sends else {})}
     rows = []
     for action in actions or ():
         if action is None:
             continue
         subs = getattr(action, "sub_actions", None)
         for a in subs if subs else (action,):
-            op = a.computation_type.value
-            if op in ("F", "B", "I", "W"):
+            op = names.get(a.computation_type.value)
+            if op is not None:
                 rows.append([op, int(a.stage_index), int(a.microbatch_index)])
     return rows
 
@@ -332,12 +337,14 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
         for entry in RECORDER.steps:
             entry["profiled"] = entry["step"] in profiled
         order = getattr(schedule, "pipeline_order", None) or {}
+        with_comms = getattr(schedule, "pipeline_order_with_comms", None)
         truth = {
             "rank": rank, "world": world, "pp": pp, "dp": dp, "vpp": v, "pp_rank": pp_rank, "pp_ranks": pp_ranks,
             "schedule": cfg["schedule"], "microbatches": m, "mode": cfg["mode"],
             "fwd_ms": cfg["fwd_ms"], "bwd_ms": cfg["bwd_ms"], "wgrad_ms": cfg["wgrad_ms"],
             "stages": mine, "stage_ranks": [pp_ranks[p] for p in placement],
             "pipeline_order": _order_rows(order.get(pp_rank)),
+            "pipeline_order_with_comms": _order_rows(with_comms.get(pp_rank), sends=True) if with_comms else None,
             "torch": torch.__version__, "steps": RECORDER.steps,
         }
         (out / "truth").mkdir(parents=True, exist_ok=True)

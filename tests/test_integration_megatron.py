@@ -7,7 +7,8 @@ for Megatron's three CUDA-only calls, the integration needs nothing of the kind)
 the traces is checked against the ground truth the same run logged: the stages and their
 coordinates, the schedule and microbatches, compute against the sleeps, bubble + p2p against
 the idle time in the pipeline window, the schedule part of the bubble against theory, every send
-paired with its recv. Then the patches: restored on remove, and never a crash.
+paired with its recv; whatif's replay of the measured step and the dashboard on the same runs.
+Then the patches: restored on remove, and never a crash.
 """
 from __future__ import annotations
 
@@ -166,6 +167,26 @@ def test_every_send_pairs_with_its_recv(measured):
     assert report["pairs"] == expected  # a mean over the profiled steps
     assert not report.get("unmatched")
     assert not [w for w in measured.report["warnings"] if "unmatched" in w or "unpaired" in w]
+
+
+@pytest.mark.slow
+def test_whatif_replays_the_measured_step(measured):
+    from pptrace.whatif import whatif
+
+    result = whatif(measured.run)
+    assert result["measured"]["schedule"] == measured.schedule
+    error = result["replay"]["error_fraction"]
+    assert abs(error) < 0.10, f"whatif replay error {error:+.3f}"
+
+
+@pytest.mark.slow
+def test_dashboard_page_is_written(measured, tmp_path):
+    from dashboards import write_dashboard
+
+    html = write_dashboard(measured.run, measured.report, tmp_path / "report.html").read_text()
+    for key in ("timeline", "replay", "partition", "bubble", "p2p_links"):
+        assert f'id="fig-{key}"' in html, key
+    assert html.count('type="application/json"') >= 5  # the figures' data
 
 
 # --------------------------------------------------------------------------------------

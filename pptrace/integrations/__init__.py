@@ -20,8 +20,10 @@ the handle's ``metadata()`` returns keys to merge into the ``pptrace`` block:
   ``ScheduleInterleavedZeroBubble``, ``1f1b``, ``interleaved``)
 - ``microbatches``, ``vpp`` (model chunks per rank)
 - ``pipeline_actions``: this rank's execution order, a list of ``[op, stage, mb]`` with op one
-  of ``F`` (forward), ``B`` (whole backward), ``I`` (input grad), ``W`` (weight grad) and
-  ``stage`` the global stage index (0 .. pp*vpp-1)
+  of ``F`` (forward), ``B`` (whole backward), ``I`` (input grad), ``W`` (weight grad), ``SF`` /
+  ``SB`` (the post of the send of ``stage``'s output / input grad for ``mb``, where the schedule
+  posts it; an order without them posts each send right after its pass) and ``stage`` the
+  global stage index (0 .. pp*vpp-1)
 - ``stage_ranks``: global stage index -> global rank (list)
 - ``integration``: the integration's name and the library version
 """

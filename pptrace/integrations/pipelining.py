@@ -18,7 +18,10 @@ its schedules go through (checked against torch 2.13):
   of the step).
 - ``PipelineScheduleSingle.step`` / ``PipelineScheduleMulti.step`` note the schedule object,
   from which ``metadata()`` reads the layout, schedule class, microbatches, stages per rank,
-  stage -> rank map and this rank's action order.
+  stage -> rank map and this rank's action order: for the runtime schedules (Interleaved1F1B,
+  LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, the CSV one) the order they run,
+  ``pipeline_order_with_comms``, with its send posts (SEND_F / SEND_B -> "SF" / "SB"); GPipe
+  and 1F1B post each send right after its pass, so their order lists the passes only.
 
 Tags follow pptrace's p2p convention (``instrumented_model/pp_communications.py``): ``mb`` is
 the microbatch, ``chunk`` the local index (among its rank's stages, by stage index) of the
@@ -387,16 +390,25 @@ class _Shared:
 # --------------------------------------------------------------------------------------
 
 
-def _rows(actions) -> list:
-    """torch _Actions -> [op, stage, mb] of the compute ones, OVERLAP_F_B as its sub-actions."""
+#: torch _ComputationType value -> pipeline_actions op (SEND_F / SEND_B: the post of the
+#: send, whose _Action.stage_index is the sending stage, as for the pass it follows)
+_OPS = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": "SF", "SEND_B": "SB"}
+
+
+def _rows(actions, sends: bool = False) -> list:
+    """torch _Actions -> [op, stage, mb] of the compute ones, OVERLAP_F_B as its sub-actions;
+    with ``sends``, the posts of the sends too ("SF" / "SB"), where the schedule placed them
+    (the runtime schedules post a send where its SEND_* stands, not right after the pass).
+    Recvs, UNSHARD / RESHARD / REDUCE_GRAD are left out."""
     rows = []
     for action in actions or ():
         if action is None:
             continue
         for a in action.sub_actions or (action,):
-            op = getattr(a.computation_type, "value", str(a.computation_type))
-            if op in ("F", "B", "I", "W") and a.microbatch_index is not None:
-                rows.append([op, int(a.stage_index), int(a.microbatch_index)])
+            op = _OPS.get(getattr(a.computation_type, "value", str(a.computation_type)))
+            if op is None or a.microbatch_index is None or (op in ("SF", "SB") and not sends):
+                continue
+            rows.append([op, int(a.stage_index), int(a.microbatch_index)])
     return rows
 
 
@@ -428,9 +440,11 @@ def _actions(schedule, pp_rank: int, stages) -> list | None:
             return rows
         order = getattr(schedule, "pipeline_order", None) or {}
         return _rows(order.get(stage.stage_index)) or None
-    # The runtime executes pipeline_order_with_comms; its compute actions are the order.
-    order = getattr(schedule, "pipeline_order_with_comms", None) or getattr(schedule, "pipeline_order", None) or {}
-    return _rows(order.get(pp_rank)) or None
+    # The runtime executes pipeline_order_with_comms, its send posts included.
+    comms = getattr(schedule, "pipeline_order_with_comms", None)
+    if comms:
+        return _rows(comms.get(pp_rank), sends=True) or None
+    return _rows((getattr(schedule, "pipeline_order", None) or {}).get(pp_rank)) or None
 
 
 def _mesh_groups(rank: int) -> dict:
