@@ -145,6 +145,10 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None) -
     codes = events["name"].cat.codes.to_numpy()
     kind = np.where(codes >= 0, table["kind"].to_numpy(object)[codes], "")
     main = (events["lane"] == "main").to_numpy() & (events["step"].to_numpy() >= 0)  # categorical: by code
+    # host traces only: on GPU traces the work runs in kernels (the NCCL p2p: nccl_link.py)
+    gpu = (events["lane_kind"] == "gpu").to_numpy()
+    if gpu.any():
+        main &= ~events["rank"].isin(events.loc[gpu, "rank"].unique()).to_numpy()
     known = main & (kind != "")
     if not (known & np.isin(kind, ["wire", "pass", "gpipe", "overlap"])).any():
         return None
