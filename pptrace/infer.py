@@ -787,8 +787,11 @@ def _p2p_rows(ops: pd.DataFrame) -> dict | None:
     pp = max(int(ops.attrs.get("pp") or 1), 1)
     peer = ops["peer"].to_numpy(np.int64)
     mb = np.where(direction != "", ops["mb"].to_numpy(np.int64), -1)
+    # chunk: the consuming stage's (a send's is its peer's), as the integrations tag them
     stage = ops["stage"].to_numpy(np.int64)
-    chunk = np.where(stage >= 0, stage // pp, -1)
+    send = ops["is_send"].to_numpy(bool)
+    consumer = stage + np.where(send, np.where(direction == "fwd", 1, np.where(direction == "bwd", -1, 0)), 0)
+    chunk = np.where((stage >= 0) & (consumer >= 0), consumer // pp, -1)
     size = ops["bytes"].fillna(-1).to_numpy(np.int64)
     wire = ops["start_ns"].to_numpy(np.int64)
     post = ops["post_start"].to_numpy(np.int64)

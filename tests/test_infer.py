@@ -351,6 +351,16 @@ def test_plain_sends_pair_with_their_recvs(plain):
 
 
 @pytest.mark.slow
+def test_plain_whatif_replays_the_measured_schedule(plain):
+    from pptrace.schedules import canonical
+    from pptrace.whatif import whatif
+
+    result = whatif(plain.run)
+    assert result["measured"]["schedule"] == canonical(plain.run.schedule)
+    assert abs(result["replay"]["error_fraction"]) < 0.10, result["replay"]
+
+
+@pytest.mark.slow
 def test_plain_without_record_shapes_warns_and_still_finds_the_passes(tmp_path):
     from pipelining_run import load_truth, run
 
@@ -414,6 +424,9 @@ def test_plain_megatron_core(tmp_path, schedule):
                 hit = mine[(mine["raw_start_ns"] <= mid) & (mine["raw_end_ns"] >= mid)]
                 assert [(str(o), int(m), int(c)) for o, m, c in zip(hit["op"], hit["mb"], hit["chunk"])] == [
                     (p["op"], p["mb"], p["chunk"])], (rank, step, p)
+    from pptrace.whatif import whatif
+
+    assert abs(whatif(loaded)["replay"]["error_fraction"]) < 0.10
     boundaries = 4 * (2 if schedule == "interleaved" else 1) - 1
     assert len(loaded.pairs[loaded.pairs["step"].isin(PROFILED)]) == 2 * boundaries * 8 * len(PROFILED)
     assert not [w for w in loaded.warnings if "no matching" in w]
