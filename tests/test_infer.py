@@ -20,6 +20,7 @@ from pptrace.events import p2p_args
 from pptrace.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
+from truth_checks import breakdowns, covered, sleeps, truth_step
 
 
 # --------------------------------------------------------------------------------------
@@ -271,28 +272,6 @@ def plain(request, tmp_path_factory) -> Plain:
     return Plain(request.param, loaded, build_report(loaded), load_truth(out))
 
 
-def _truth_step(truth: dict, step: int) -> dict:
-    return next(s for s in truth["steps"] if s["step"] == step)
-
-
-def _sleeps(truth: dict, step: int) -> list:
-    return [(z["start_epoch_ns"], z["end_epoch_ns"]) for a in _truth_step(truth, step)["actions"] for z in a["sleeps"]]
-
-
-def _covered(spans, lo, hi) -> int:
-    total, last = 0, lo
-    for a, b in sorted(spans):
-        a, b = max(a, last), min(b, hi)
-        if b > a:
-            total += b - a
-            last = b
-    return total
-
-
-def _breakdown(p: Plain) -> dict:
-    return {(r["rank"], s["step"]): s["breakdown_s"] for r in p.report["ranks"] for s in r["steps"]}
-
-
 @pytest.mark.slow
 def test_plain_pipeline_found_and_marked_inferred(plain):
     run, truth = plain.run, plain.truth
@@ -308,11 +287,11 @@ def test_plain_pipeline_found_and_marked_inferred(plain):
 
 @pytest.mark.slow
 def test_plain_compute_matches_the_sleeps(plain):
-    breakdown = _breakdown(plain)
+    breakdown = breakdowns(plain.report)
     errors = {}
     for rank, truth in plain.truth.items():
         for step in PROFILED:
-            slept = sum(b - a for a, b in _sleeps(truth, step)) / 1e9
+            slept = sum(b - a for a, b in sleeps(truth, step)) / 1e9
             errors[rank, step] = round(breakdown[rank, step]["compute"] / slept - 1, 4)
     assert max(abs(e) for e in errors.values()) < 0.10, errors
 
@@ -323,15 +302,15 @@ def test_plain_bubble_and_p2p_match_the_idle_time(plain):
     of schedule.step() to the latest return, within this rank's own step (what precedes its
     step belongs to its previous one). Compute is the passes' ops, which run autograd and
     the profiler around the sleeps too (~1-1.5% of them): idle comes out that much short."""
-    breakdown = _breakdown(plain)
+    breakdown = breakdowns(plain.report)
     errors = {}
     for step in PROFILED:
-        steps = [_truth_step(t, step) for t in plain.truth.values()]
+        steps = [truth_step(t, step) for t in plain.truth.values()]
         for rank, truth in plain.truth.items():
-            own = _truth_step(truth, step)
+            own = truth_step(truth, step)
             lo = max(min(s["pipeline_start_epoch_ns"] for s in steps), own["start_epoch_ns"])
             hi = min(max(s["pipeline_end_epoch_ns"] for s in steps), own["end_epoch_ns"])
-            idle = (hi - lo - _covered(_sleeps(truth, step), lo, hi)) / 1e9
+            idle = (hi - lo - covered(sleeps(truth, step), lo, hi)) / 1e9
             parts = breakdown[rank, step]
             errors[rank, step] = round((parts["pp_bubble"] + parts["pp_transfer"] - idle) * 1e3, 2)
     assert max(abs(e) for e in errors.values()) < 20, f"bubble + p2p - idle, ms: {errors}"
@@ -374,7 +353,7 @@ def test_plain_without_record_shapes_warns_and_still_finds_the_passes(tmp_path):
         for step in PROFILED:
             mine = ev[(ev["category"] == "compute") & (ev["rank"] == rank) & (ev["step"] == step)]
             assert (mine["op"] == "fwd").sum() == (mine["op"] == "bwd").sum() == 8
-            slept = sum(b - a for a, b in _sleeps(t, step))
+            slept = sum(b - a for a, b in sleeps(t, step))
             assert abs(mine["dur_ns"].sum() / slept - 1) < 0.10
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa: E402
 
 from megatron_run import load_truth, run  # noqa: E402
+from truth_checks import check_dashboard, check_whatif_replay  # noqa: E402
 from pptrace.integrations import megatron as integration  # noqa: E402
 
 #: 20/40 ms passes: a pass's own overhead (Megatron's forward_step/backward_step bookkeeping,
@@ -171,22 +171,12 @@ def test_every_send_pairs_with_its_recv(measured):
 
 @pytest.mark.slow
 def test_whatif_replays_the_measured_step(measured):
-    from pptrace.whatif import whatif
-
-    result = whatif(measured.run)
-    assert result["measured"]["schedule"] == measured.schedule
-    error = result["replay"]["error_fraction"]
-    assert abs(error) < 0.10, f"whatif replay error {error:+.3f}"
+    check_whatif_replay(measured.run, measured.schedule)
 
 
 @pytest.mark.slow
 def test_dashboard_page_is_written(measured, tmp_path):
-    from dashboards import write_dashboard
-
-    html = write_dashboard(measured.run, measured.report, tmp_path / "report.html").read_text()
-    for key in ("timeline", "replay", "partition", "bubble", "p2p_links"):
-        assert f'id="fig-{key}"' in html, key
-    assert html.count('type="application/json"') >= 5  # the figures' data
+    check_dashboard(measured.run, measured.report, tmp_path / "report.html")
 
 
 # --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipelining_run import SCHEDULES, load_truth, run
+from truth_checks import breakdowns, check_dashboard, check_whatif_replay, covered, sleeps, truth_step
 
 #: 20/40 ms passes: a pass's own overhead (autograd, the profiler; ~0.3-0.5 ms on a loaded
 #: 2-core box) stays well inside 5% of it.
@@ -43,43 +44,20 @@ def measured(request, tmp_path_factory) -> Measured:
     return Measured(request.param, out, loaded, build_report(loaded), load_truth(out))
 
 
-def _step(truth: dict, step: int) -> dict:
-    return next(s for s in truth["steps"] if s["step"] == step)
-
-
-def _sleeps(truth: dict, step: int) -> list:
-    """(start, end) epoch ns of every sleep this rank logged in ``step``."""
-    return [(z["start_epoch_ns"], z["end_epoch_ns"]) for a in _step(truth, step)["actions"] for z in a["sleeps"]]
-
-
 def _passes(truth: dict, step: int) -> list:
     """(start, end) epoch ns of every pass (torch's forward_one_chunk, backward_one_chunk,
     backward_weight_one_chunk, timed by the harness around them) this rank ran in ``step``."""
-    return [(a["start_epoch_ns"], a["end_epoch_ns"]) for a in _step(truth, step)["actions"]]
+    return [(a["start_epoch_ns"], a["end_epoch_ns"]) for a in truth_step(truth, step)["actions"]]
 
 
 def _window(m: Measured, rank: int, step: int) -> tuple:
     """The pipeline window (DESIGN contract 3) from the truth, within ``rank``'s step: every
     rank runs its pipeline inside schedule.step(), so the window spans the earliest call to
     the latest return; the part before this rank's step began belongs to its previous step."""
-    steps = [_step(t, step) for t in m.truth.values()]
-    own = _step(m.truth[rank], step)
+    steps = [truth_step(t, step) for t in m.truth.values()]
+    own = truth_step(m.truth[rank], step)
     return (max(min(s["pipeline_start_epoch_ns"] for s in steps), own["start_epoch_ns"]),
             min(max(s["pipeline_end_epoch_ns"] for s in steps), own["end_epoch_ns"]))
-
-
-def _covered(spans, lo, hi) -> int:
-    total, last = 0, lo
-    for a, b in sorted(spans):
-        a, b = max(a, last), min(b, hi)
-        if b > a:
-            total += b - a
-            last = b
-    return total
-
-
-def _breakdown(m: Measured) -> dict:
-    return {(r["rank"], s["step"]): s["breakdown_s"] for r in m.report["ranks"] for s in r["steps"]}
 
 
 def _sends_per_step(truth: dict) -> int:
@@ -115,7 +93,7 @@ def test_schedule_microbatches_and_action_order_found(measured):
     assert run["vpp"] == measured.truth[0]["vpp"]
     ev = measured.run.events
     for rank, truth in measured.truth.items():
-        executed = [[a["op"], a["stage"], a["mb"]] for a in _step(truth, PROFILED[0])["actions"]]
+        executed = [[a["op"], a["stage"], a["mb"]] for a in truth_step(truth, PROFILED[0])["actions"]]
         recorded = measured.run.meta[rank]["pptrace"]["pipeline_actions"]
         assert [a for a in recorded if a[0] not in ("SF", "SB")] == executed, f"rank {rank}"
         if truth["pipeline_order_with_comms"] is None:  # GPipe / 1F1B: sends follow their pass
@@ -130,11 +108,11 @@ def test_schedule_microbatches_and_action_order_found(measured):
 
 @pytest.mark.slow
 def test_compute_matches_the_sleeps(measured):
-    breakdown = _breakdown(measured)
+    breakdown = breakdowns(measured.report)
     errors = {}
     for rank, truth in measured.truth.items():
         for step in PROFILED:
-            slept = sum(b - a for a, b in _sleeps(truth, step)) / 1e9
+            slept = sum(b - a for a, b in sleeps(truth, step)) / 1e9
             errors[rank, step] = breakdown[rank, step]["compute"] / slept - 1
     assert max(abs(e) for e in errors.values()) < 0.05, errors
 
@@ -144,12 +122,12 @@ def test_bubble_and_p2p_match_the_idle_time(measured):
     """Idle = the window less this rank's passes. Not less its sleeps: a pass also runs
     autograd and the profiler around its sleeps (1.5-3% of it here, 9-29 ms per step over
     32-48 passes), which is compute, as the analysis (within 0.6% of the passes) says."""
-    breakdown = _breakdown(measured)
+    breakdown = breakdowns(measured.report)
     errors = {}
     for rank, truth in measured.truth.items():
         for step in PROFILED:
             lo, hi = _window(measured, rank, step)
-            idle = (hi - lo - _covered(_passes(truth, step), lo, hi)) / 1e9
+            idle = (hi - lo - covered(_passes(truth, step), lo, hi)) / 1e9
             parts = breakdown[rank, step]
             errors[rank, step] = round((parts["pp_bubble"] + parts["pp_transfer"] - idle) * 1e3, 2)
     assert max(abs(e) for e in errors.values()) < 15, f"bubble + p2p - idle, ms: {errors}"
@@ -180,7 +158,7 @@ def _truth_orders(m: Measured) -> tuple[list, list]:
         t = by_pos[pos]
         order = t["pipeline_order_with_comms"]
         if order is None:
-            executed = [[a["op"], a["stage"], a["mb"]] for a in _step(t, PROFILED[0])["actions"]]
+            executed = [[a["op"], a["stage"], a["mb"]] for a in truth_step(t, PROFILED[0])["actions"]]
             order = t["pipeline_order"] if sorted(t["pipeline_order"]) == sorted(executed) else executed
         orders.append([tuple(a) for a in order])
     return orders, placement
@@ -201,7 +179,7 @@ def _truth_replay(m: Measured, step: int | None = None) -> list:
     p = len(orders)
     passes = [(a["op"], a["stage"], a["mb"], (a["end_ns"] - a["start_ns"]) / 1e9)
               for t in m.truth.values() for s in ([step] if step is not None else PROFILED)
-              for a in _step(t, s)["actions"]]
+              for a in truth_step(t, s)["actions"]]
     if step is None:
         durations: dict = {}
         for op, stage, _, seconds in passes:
@@ -249,23 +227,12 @@ def test_schedule_bubble_matches_a_replay_of_the_schedules_own_order(measured):
 
 @pytest.mark.slow
 def test_whatif_replays_the_measured_step(measured):
-    from pptrace.schedules import canonical
-    from pptrace.whatif import whatif
-
-    result = whatif(measured.run)
-    assert result["measured"]["schedule"] == canonical(measured.schedule)
-    error = result["replay"]["error_fraction"]
-    assert abs(error) < 0.10, f"whatif replay error {error:+.3f}"
+    check_whatif_replay(measured.run, measured.schedule)
 
 
 @pytest.mark.slow
 def test_dashboard_page_is_written(measured, tmp_path):
-    from dashboards import write_dashboard
-
-    html = write_dashboard(measured.run, measured.report, tmp_path / "report.html").read_text()
-    for key in ("timeline", "replay", "partition", "bubble", "p2p_links"):
-        assert f'id="fig-{key}"' in html, key
-    assert html.count('type="application/json"') >= 5  # the figures' data
+    check_dashboard(measured.run, measured.report, tmp_path / "report.html")
 
 
 @pytest.mark.slow

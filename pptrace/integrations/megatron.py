@@ -42,6 +42,7 @@ import warnings
 from contextlib import nullcontext
 
 from ..instrument import region
+from ._requests import Open, Pending, nbytes
 
 NAME = "megatron-core"
 #: (module, function, parameters the hook reads). A Megatron without them is not recognised.
@@ -114,57 +115,6 @@ def _first_tensor(value):
             return None
         value = value[0]
     return value
-
-
-def _nbytes(tensor) -> int | None:
-    try:
-        return tensor.numel() * tensor.element_size()
-    except Exception:  # noqa: BLE001
-        return None
-
-
-class _Pending:
-    """A p2p request as the schedule sees it: ``wait()`` also closes the request's ranges."""
-
-    __slots__ = ("_work", "_entry")
-
-    def __init__(self, work, entry):
-        self._work, self._entry = work, entry
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            self._entry.done(self._work)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-class _Open:
-    """The ranges of one p2p call, closed when all of its requests are done."""
-
-    __slots__ = ("regions", "works", "tracker")
-
-    def __init__(self, regions, works, tracker):
-        self.regions, self.works, self.tracker = regions, list(works), tracker
-
-    def done(self, work) -> None:
-        self.works = [w for w in self.works if w is not work]
-        if not self.works:
-            self.close()
-
-    def close(self) -> None:
-        for r in reversed(self.regions):
-            r.__exit__(None, None, None)
-        self.regions = []
-        self.tracker.pending.discard(self)
-
-    def completed(self) -> bool:
-        try:
-            return all(w.is_completed() for w in self.works)
-        except Exception:  # noqa: BLE001 - a request type without is_completed
-            return False
 
 
 class _Tracker:
@@ -386,7 +336,7 @@ class MegatronInstrumentation:
                 continue
             mb, chunk = t.send_tags(op, tensor) if op.startswith("send") else t.recv_tags(op)
             r = region(f"pp:{op}", peer=bound.get(f"{side}_pipeline_rank"), mb=mb, chunk=t.chunk_tag(chunk),
-                       bytes=_nbytes(tensor))
+                       bytes=nbytes(tensor))
             r.__enter__()
             opened.append((key, r))
         return opened
@@ -397,9 +347,8 @@ class MegatronInstrumentation:
             by_key = dict(opened)
             out = {}
             for key, work in requests.items():
-                entry = _Open([by_key.pop(key)] if key in by_key else [], [work], t)
-                t.pending.add(entry)
-                out[key] = _Pending(work, entry)
+                entry = Open([by_key.pop(key)] if key in by_key else [], [work], t.pending)
+                out[key] = Pending(work, entry)
             for r in by_key.values():  # a direction with no request: nothing to wait for
                 r.__exit__(None, None, None)
             return out
@@ -410,11 +359,10 @@ class MegatronInstrumentation:
                 r.__exit__(None, None, None)
             return requests
         if len(requests) == len(opened):  # gloo: one request per op, in posting order
-            entries = [_Open([r], [w], t) for r, w in zip(opened, requests)]
+            entries = [Open([r], [w], t.pending) for r, w in zip(opened, requests)]
         else:  # NCCL coalesces a batch into one request: every range ends with the batch
-            entries = [_Open(opened, requests, t)] * len(requests)
-        t.pending.update(entries)
-        return [_Pending(w, e) for w, e in zip(requests, entries)]
+            entries = [Open(opened, requests, t.pending)] * len(requests)
+        return [Pending(w, e) for w, e in zip(requests, entries)]
 
     # -- what the run is ------------------------------------------------------------------------
     def metadata(self) -> dict:

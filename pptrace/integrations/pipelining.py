@@ -46,6 +46,7 @@ import weakref
 from contextlib import nullcontext
 
 from ..instrument import region
+from ._requests import Open, Pending, nbytes
 
 NAME = "torch.distributed.pipelining"
 _MODULE = "torch.distributed.pipelining"
@@ -121,13 +122,6 @@ def _unrecognised(stage, schedules) -> str | None:
     return None
 
 
-def _nbytes(tensor) -> int | None:
-    try:
-        return tensor.numel() * tensor.element_size()
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def _local_chunk(stage, index: int) -> int | None:
     """The position of global stage ``index`` among its rank's stages; None when every rank
     holds one stage (no chunk tag then, as pptrace's trainer does)."""
@@ -136,51 +130,6 @@ def _local_chunk(stage, index: int) -> int | None:
         return None
     where = mapping[index]
     return sorted(s for s, r in mapping.items() if r == where).index(index)
-
-
-class _Pending:
-    """A p2p request as the schedule sees it: ``wait()`` also closes the request's ranges."""
-
-    __slots__ = ("_work", "_entry")
-
-    def __init__(self, work, entry):
-        self._work, self._entry = work, entry
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            self._entry.done(self._work)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-class _Open:
-    """The ranges of one posted batch (or one op of it), closed once all its requests are done."""
-
-    __slots__ = ("regions", "works", "pending")
-
-    def __init__(self, regions, works, pending: set):
-        self.regions, self.works, self.pending = regions, list(works), pending
-        pending.add(self)
-
-    def done(self, work) -> None:
-        self.works = [w for w in self.works if w is not work]
-        if not self.works:
-            self.close()
-
-    def close(self) -> None:
-        for r in reversed(self.regions):
-            r.__exit__(None, None, None)
-        self.regions = []
-        self.pending.discard(self)
-
-    def completed(self) -> bool:
-        try:
-            return all(w.is_completed() for w in self.works)
-        except Exception:  # noqa: BLE001 - a request type without is_completed
-            return False
 
 
 class PipeliningInstrumentation:
@@ -280,7 +229,7 @@ class PipeliningInstrumentation:
                 consumer = min(on_peer, key=lambda s: abs(s - stage.stage_index)) if on_peer else None
             tags = {"peer": p2p.peer, "mb": mb,
                     "chunk": None if consumer is None else _local_chunk(stage, consumer),
-                    "bytes": _nbytes(p2p.tensor)}
+                    "bytes": nbytes(p2p.tensor)}
             setattr(p2p, _TAG_ATTR, (op_name, tags))
 
     def _post_hook(self, fn, original, *args, **kwargs):
@@ -327,11 +276,11 @@ class PipeliningInstrumentation:
                 if r is None or r._open is None:
                     out.append(work)
                 else:
-                    out.append(_Pending(work, _Open([r], [work], self._pending)))
+                    out.append(Pending(work, Open([r], [work], self._pending)))
             return out
         # coalesced (NCCL batch_isend_irecv): every range ends with the batch
-        entry = _Open(opened, works, self._pending)
-        return [_Pending(w, entry) for w in works]
+        entry = Open(opened, works, self._pending)
+        return [Pending(w, entry) for w in works]
 
     def _step_hook(self, fn, original, schedule, *args, **kwargs):
         if not self._broken:

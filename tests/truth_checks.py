@@ -1,0 +1,50 @@
+"""Checks shared by the tests that run real pipelines against their own logged truth
+(tests/pipelining_run.py and tests/megatron_run.py runs, with pptrace or plain)."""
+from __future__ import annotations
+
+
+def truth_step(truth: dict, step: int) -> dict:
+    """One rank's logged truth of ``step``."""
+    return next(s for s in truth["steps"] if s["step"] == step)
+
+
+def sleeps(truth: dict, step: int) -> list:
+    """(start, end) epoch ns of every sleep this rank logged in ``step``."""
+    return [(z["start_epoch_ns"], z["end_epoch_ns"]) for a in truth_step(truth, step)["actions"] for z in a["sleeps"]]
+
+
+def covered(spans, lo: int, hi: int) -> int:
+    """ns of [lo, hi) covered by the union of ``spans``."""
+    total, last = 0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, last), min(b, hi)
+        if b > a:
+            total += b - a
+            last = b
+    return total
+
+
+def breakdowns(report: dict) -> dict:
+    """(rank, step) -> that step's breakdown_s in the analyze --json document."""
+    return {(r["rank"], s["step"]): s["breakdown_s"] for r in report["ranks"] for s in r["steps"]}
+
+
+def check_whatif_replay(run, schedule: str, limit: float = 0.10) -> None:
+    """What-if replays the measured schedule within ``limit`` of the measured step."""
+    from pptrace.schedules import canonical
+    from pptrace.whatif import whatif
+
+    result = whatif(run)
+    assert result["measured"]["schedule"] == canonical(schedule)
+    error = result["replay"]["error_fraction"]
+    assert abs(error) < limit, f"whatif replay error {error:+.3f}"
+
+
+def check_dashboard(run, report: dict, path) -> None:
+    """The dashboard page is written with every figure and its data."""
+    from dashboards import write_dashboard
+
+    html = write_dashboard(run, report, path).read_text()
+    for key in ("timeline", "replay", "partition", "bubble", "p2p_links"):
+        assert f'id="fig-{key}"' in html, key
+    assert html.count('type="application/json"') >= 5  # the figures' data
