@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,16 @@ def trainer_run(tmp_path_factory) -> Path:
     done = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def recorder(tmp_path_factory) -> Path:
+    """The NVTX injection library (tests/nvtx/nvtx_recorder.c) built with gcc: loaded through
+    NVTX_INJECTION64_PATH, it logs every NVTX range a process emits."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build the NVTX injection library")
+    lib = tmp_path_factory.mktemp("nvtx") / "libnvtx_recorder.so"
+    source = Path(__file__).parent / "nvtx" / "nvtx_recorder.c"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib), str(source), "-lpthread"],
+                   check=True)
+    return lib

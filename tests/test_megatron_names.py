@@ -4,9 +4,6 @@ ranges of a real Megatron run, and nothing else."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +15,6 @@ from tracegen import RankTrace, write_run
 
 P2P = "megatron.core.pipeline_parallel.p2p_communication."
 INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving."
-RECORDER = Path(__file__).parent / "nvtx" / "nvtx_recorder.c"
 
 
 @pytest.mark.parametrize("name, kind, op, tags", [
@@ -83,16 +79,6 @@ def test_megatron_names_in_a_trace_are_classified(tmp_path):
     assert got == [(0, "compute", "bwd"), (0, "compute", "fwd"), (0, "other", "warmup"),
                    (0, "p2p", "send_fwd+recv_bwd"), (1, "compute", "bwd"), (1, "compute", "fwd"),
                    (1, "p2p", "recv_fwd"), (1, "p2p", "send_bwd")]
-
-
-@pytest.fixture(scope="module")
-def recorder(tmp_path_factory):
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is needed to build the NVTX injection library")
-    lib = tmp_path_factory.mktemp("nvtx") / "libnvtx_recorder.so"
-    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib), str(RECORDER), "-lpthread"],
-                   check=True)
-    return lib
 
 
 @pytest.mark.slow
