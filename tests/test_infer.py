@@ -20,7 +20,7 @@ from pptrace.events import p2p_args
 from pptrace.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
-from truth_checks import breakdowns, covered, sleeps, truth_step
+from truth_checks import breakdowns, check_dashboard, check_whatif_replay, covered, sleeps, truth_step
 
 
 # --------------------------------------------------------------------------------------
@@ -331,12 +331,12 @@ def test_plain_sends_pair_with_their_recvs(plain):
 
 @pytest.mark.slow
 def test_plain_whatif_replays_the_measured_schedule(plain):
-    from pptrace.schedules import canonical
-    from pptrace.whatif import whatif
+    check_whatif_replay(plain.run, plain.run.schedule)
 
-    result = whatif(plain.run)
-    assert result["measured"]["schedule"] == canonical(plain.run.schedule)
-    assert abs(result["replay"]["error_fraction"]) < 0.10, result["replay"]
+
+@pytest.mark.slow
+def test_plain_dashboard_page_is_written(plain, tmp_path):
+    check_dashboard(plain.run, plain.report, tmp_path / "report.html")
 
 
 @pytest.mark.slow

@@ -364,3 +364,17 @@ def test_pairs_of_different_sizes_are_reported(tmp_path):
     run = load_run(write_run(tmp_path / "run", [s.t, r.t]), layout=Layout(pp=2, dp=2), use_cache=False, progress=False)
     assert len(run.pairs) == 1
     assert any("differ in size" in w and "131072 vs 65536" in w for w in run.warnings)
+
+
+def test_dashboard_and_whatif_on_the_plain_nccl_run(built, tmp_path):
+    """The page draws the run; what-if says in one line why it cannot replay it (NCCL traces
+    name no passes) instead of failing."""
+    from dashboards import write_dashboard
+    from pptrace.report import build_report
+    from pptrace.whatif import whatif
+
+    _, _, run = built
+    html = write_dashboard(run, build_report(run), tmp_path / "report.html").read_text()
+    assert 'id="fig-timeline"' in html
+    with pytest.raises(ValueError, match="no pipeline passes"):
+        whatif(run)
