@@ -199,9 +199,14 @@ def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: in
     t_w = stages["t_wgrad_s"].to_numpy()
     pipe = PipelineTimes(column(stages["t_fwd_s"]), column(np.maximum(stages["t_bwd_s"].to_numpy() - t_w, 0)),
                          column(t_w), 0.0)
-    stage_of = {(pos, g // view.layout.pp): g for g, pos in enumerate(placement)}
-    mean = times.assign(action=times["op"].map(_ACTION_OF),
-                        gstage=[stage_of.get((int(s), int(c)), int(s)) for s, c in zip(times["stage"], times["chunk"])]
+    p = view.layout.pp
+    gstage = np.full((p, max(len(placement) // p, 1)), -1, dtype=np.int64)  # (position, chunk) -> stage
+    for g, pos in enumerate(placement):
+        gstage[pos, g // p] = g
+    pos, chunk = times["stage"].to_numpy(np.int64), times["chunk"].to_numpy(np.int64)
+    inside = (pos >= 0) & (pos < p) & (chunk >= 0) & (chunk < gstage.shape[1])
+    found = np.where(inside, gstage[np.clip(pos, 0, p - 1), np.clip(chunk, 0, gstage.shape[1] - 1)], -1)
+    mean = times.assign(action=times["op"].map(_ACTION_OF), gstage=np.where(found >= 0, found, pos)
                         ).groupby(["action", "gstage"])["dur_s"].mean()
     seconds = {(str(a), int(g)): float(t) for (a, g), t in mean.items()}
     try:
