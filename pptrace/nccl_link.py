@@ -150,16 +150,25 @@ def _peers(ops: pd.DataFrame, rank: int, is_send: np.ndarray) -> np.ndarray:
     writes them since mid-2024); before that, only a group of two names its other member."""
     peer = np.where(is_send, ops["dst_rank"].astype("Float64").to_numpy(np.float64, na_value=np.nan),
                     ops["src_rank"].astype("Float64").to_numpy(np.float64, na_value=np.nan))
-    for i in np.flatnonzero(np.isnan(peer)):
-        members = [int(x) for x in str(ops["group_ranks"].iloc[i]).strip("[]() ").split(",") if x.strip().isdigit()]
-        if len(members) == 2 and rank in members:
-            peer[i] = members[1 - members.index(rank)]
+    missing = np.isnan(peer)
+    if missing.any():
+        groups = ops["group_ranks"].astype("category")
+        other = np.full(len(groups.cat.categories) + 1, np.nan)  # per distinct group; last: null
+        for k, text in enumerate(groups.cat.categories):
+            members = [int(x) for x in str(text).strip("[]() ").split(",") if x.strip().isdigit()]
+            if len(members) == 2 and rank in members:
+                other[k] = members[1 - members.index(rank)]
+        peer[missing] = other[groups.cat.codes.to_numpy()[missing]]
     return peer
 
 
-def _kernel_of_ops(df: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, list]:
+_LAUNCH, _PENDING, _OTHER = 0, 1, 2
+
+
+def _kernel_of_ops(df: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, pd.DataFrame]:
     """For each send/recv op (record_param_comms rows), the row of the NCCL kernel it
-    launched (-1 if none), and the coalesced kernels found: (kernel row, its ops' rows).
+    launched (-1 if none), and the coalesced kernels found: one row (kernel, op) per op of
+    each coalesced kernel.
 
     A plain send/recv launches its kernel inside its own record_param_comms. Inside
     batch_isend_irecv (NCCL group) it launches nothing: one kernel is launched at
@@ -176,7 +185,7 @@ def _kernel_of_ops(df: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, lis
     # a scope around endCoalescing itself (if a PyTorch version records one) opens no new op
     rpc = rpc[~rpc["collective"].astype(str).str.contains("coalesced", case=False).to_numpy()]
     out = np.full(len(ops), -1, dtype=np.int64)
-    coalesced = []
+    coalesced = [pd.DataFrame({"kernel": np.zeros(0, np.int64), "op": np.zeros(0, np.int64)})]
     for (pid, tid), mine in ops.groupby(["pid", "tid"], sort=False):
         pos = ops.index.get_indexer(mine.index)
         calls = launch[(launch["pid"] == pid).to_numpy() & (launch["tid"] == tid).to_numpy()]
@@ -188,26 +197,28 @@ def _kernel_of_ops(df: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, lis
         j = np.searchsorted(c_start, s, side="left")
         inside = (j < len(calls)) & (c_end[np.clip(j, 0, max(len(calls) - 1, 0))] <= e) if len(calls) else np.zeros(len(s), bool)
         out[pos[inside]] = c_kernel[j[inside]]
-        # the others: by order, to the next launch outside every record_param_comms
+        # the others: by order, to the next launch outside every record_param_comms, when
+        # nothing else (a collective, a send/recv with its own kernel) came between
         theirs = rpc[(rpc["pid"] == pid).to_numpy() & (rpc["tid"] == tid).to_numpy()]
         free = ~_covered(theirs["start_ns"].to_numpy(), theirs["end_ns"].to_numpy(), c_start)
-        pending_ops = set(mine.index[~inside])
-        timeline = sorted(
-            [(int(t), 1, int(i)) for t, i in zip(theirs["start_ns"], theirs.index)]
-            + [(int(t), 0, int(k)) for t, k, ok in zip(c_start, np.arange(len(calls)), free) if ok])
-        batch: list = []
-        for _, is_op, i in timeline:
-            if is_op:
-                if i in pending_ops:
-                    batch.append(i)
-                else:
-                    batch = []  # a collective, or a send/recv with its own kernel: no group open
-            elif batch:
-                row = int(c_kernel[i])
-                out[ops.index.get_indexer(batch)] = row
-                coalesced.append((row, list(batch)))
-                batch = []
-    return out, coalesced
+        pending = np.isin(theirs.index.to_numpy(), mine.index[~inside])
+        # one timeline of the thread's scopes and free launches; at one instant a launch first
+        t = np.concatenate([theirs["start_ns"].to_numpy(np.int64), c_start[free].astype(np.int64)])
+        what = np.concatenate([np.where(pending, _PENDING, _OTHER), np.full(int(free.sum()), _LAUNCH)])
+        ref = np.concatenate([theirs.index.to_numpy(np.int64), np.flatnonzero(free)])
+        order = np.lexsort((ref, what != _LAUNCH, t))
+        what, ref = what[order], ref[order]
+        breaks = np.flatnonzero(what != _PENDING)  # each pending op goes to the first break after it
+        ops_at = np.flatnonzero(what == _PENDING)
+        nxt = np.searchsorted(breaks, ops_at)
+        has = nxt < len(breaks)
+        to_launch = np.zeros(len(ops_at), bool)
+        to_launch[has] = what[breaks[nxt[has]]] == _LAUNCH
+        members, launch_at = ref[ops_at[to_launch]], ref[breaks[nxt[to_launch]]]
+        rows = c_kernel[launch_at].astype(np.int64)
+        out[ops.index.get_indexer(members)] = rows
+        coalesced.append(pd.DataFrame({"kernel": rows, "op": members}))
+    return out, pd.concat(coalesced, ignore_index=True)
 
 
 def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) -> int:
@@ -256,7 +267,9 @@ def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) ->
     forward = np.where(is_send, peer > rank, peer < rank)
     op = np.where(is_send, np.where(forward, "send_fwd", "send_bwd"), np.where(forward, "recv_fwd", "recv_bwd"))
     nelems = ops["in_nelems"].fillna(ops["out_nelems"]).astype("Float64").to_numpy(np.float64, na_value=np.nan)
-    size = np.array([_itemsize(d) or np.nan for d in ops["dtype"].astype(object)], dtype=np.float64)
+    dtype = ops["dtype"].astype("category")
+    per_dtype = np.array([_itemsize(d) or np.nan for d in dtype.cat.categories] + [np.nan], dtype=np.float64)
+    size = per_dtype[dtype.cat.codes.to_numpy()]  # code -1 (null) takes the last entry
     nbytes = pd.array(nelems * size, dtype="Float64").astype("Int64")  # NaN (dtype unknown) -> NA
     _set(df, "kind", rows, "pp")
     _set(df, "op", rows, op)
@@ -266,11 +279,16 @@ def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) ->
     df.loc[rows, "correlation"] = df.loc[kernel, "correlation"].to_numpy()
     df.loc[rows, "inferred"] = True
     # the coalesced kernel is p2p, not whatever range was open at endCoalescing ("nccl:coalesced")
-    for row, members in coalesced:
-        if not is_p2p_collective(df.at[row, "collective"]):
-            _set(df, "collective", np.array([row]), COALESCED_P2P)
+    if len(coalesced):
+        kernels = coalesced["kernel"].unique()
+        plain = ~df.loc[kernels, "collective"].map(is_p2p_collective).to_numpy(bool)
+        _set(df, "collective", kernels[plain], COALESCED_P2P)
         for field in ("group_ranks", "pg_name"):
-            values = {str(df.at[m, field]) for m in members if not pd.isna(df.at[m, field])}
-            if len(values) == 1 and pd.isna(df.at[row, field]):
-                _set(df, field, np.array([row]), values.pop())
+            # the group of the kernel's ops, where they agree on one and the kernel has none
+            values = df.loc[coalesced["op"].to_numpy(), field].astype(object).to_numpy()
+            agree = pd.DataFrame({"kernel": coalesced["kernel"].to_numpy(), "v": values}).dropna() \
+                .groupby("kernel")["v"].agg(["nunique", "first"])
+            agree = agree[(agree["nunique"] == 1).to_numpy() & df.loc[agree.index, field].isna().to_numpy()]
+            if len(agree):
+                _set(df, field, agree.index.to_numpy(), agree["first"].astype(str).to_numpy())
     return len(rows)
