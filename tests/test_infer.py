@@ -20,7 +20,7 @@ from pptrace.events import p2p_args
 from pptrace.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
-from truth_checks import breakdowns, check_dashboard, check_whatif_replay, covered, sleeps, truth_step
+from truth_checks import (breakdowns, check_dashboard, check_whatif_replay, idle_errors_ms, sends_per_step, sleeps)
 
 
 # --------------------------------------------------------------------------------------
@@ -302,24 +302,13 @@ def test_plain_bubble_and_p2p_match_the_idle_time(plain):
     of schedule.step() to the latest return, within this rank's own step (what precedes its
     step belongs to its previous one). Compute is the passes' ops, which run autograd and
     the profiler around the sleeps too (~1-1.5% of them): idle comes out that much short."""
-    breakdown = breakdowns(plain.report)
-    errors = {}
-    for step in PROFILED:
-        steps = [truth_step(t, step) for t in plain.truth.values()]
-        for rank, truth in plain.truth.items():
-            own = truth_step(truth, step)
-            lo = max(min(s["pipeline_start_epoch_ns"] for s in steps), own["start_epoch_ns"])
-            hi = min(max(s["pipeline_end_epoch_ns"] for s in steps), own["end_epoch_ns"])
-            idle = (hi - lo - covered(sleeps(truth, step), lo, hi)) / 1e9
-            parts = breakdown[rank, step]
-            errors[rank, step] = round((parts["pp_bubble"] + parts["pp_transfer"] - idle) * 1e3, 2)
+    errors = idle_errors_ms(plain.report, plain.truth, PROFILED, sleeps)
     assert max(abs(e) for e in errors.values()) < 20, f"bubble + p2p - idle, ms: {errors}"
 
 
 @pytest.mark.slow
 def test_plain_sends_pair_with_their_recvs(plain):
-    where = plain.truth[0]["stage_ranks"]
-    expected = 2 * sum(1 for s in range(len(where) - 1) if where[s] != where[s + 1]) * 8
+    expected = sends_per_step(plain.truth)
     ev = plain.run.events
     p2p = ev[(ev["category"] == "p2p") & ev["step"].isin(PROFILED)]
     assert p2p["op"].astype(str).isin(["send_fwd", "send_bwd", "recv_fwd", "recv_bwd"]).all()

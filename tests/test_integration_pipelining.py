@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from pipelining_run import SCHEDULES, load_truth, run
-from truth_checks import breakdowns, check_dashboard, check_whatif_replay, covered, sleeps, truth_step
+from truth_checks import (breakdowns, check_dashboard, check_whatif_replay, idle_errors_ms, sends_per_step, sleeps,
+                          truth_step)
 
 #: 20/40 ms passes: a pass's own overhead (autograd, the profiler; ~0.3-0.5 ms on a loaded
 #: 2-core box) stays well inside 5% of it.
@@ -48,25 +49,6 @@ def _passes(truth: dict, step: int) -> list:
     """(start, end) epoch ns of every pass (torch's forward_one_chunk, backward_one_chunk,
     backward_weight_one_chunk, timed by the harness around them) this rank ran in ``step``."""
     return [(a["start_epoch_ns"], a["end_epoch_ns"]) for a in truth_step(truth, step)["actions"]]
-
-
-def _window(m: Measured, rank: int, step: int) -> tuple:
-    """The pipeline window (DESIGN contract 3) from the truth, within ``rank``'s step: every
-    rank runs its pipeline inside schedule.step(), so the window spans the earliest call to
-    the latest return; the part before this rank's step began belongs to its previous step."""
-    steps = [truth_step(t, step) for t in m.truth.values()]
-    own = truth_step(m.truth[rank], step)
-    return (max(min(s["pipeline_start_epoch_ns"] for s in steps), own["start_epoch_ns"]),
-            min(max(s["pipeline_end_epoch_ns"] for s in steps), own["end_epoch_ns"]))
-
-
-def _sends_per_step(truth: dict) -> int:
-    """The p2p messages one step moves: each microbatch crosses every stage boundary whose two
-    stages sit on different ranks, once forward and once backward."""
-    t = next(iter(truth.values()))
-    where = t["stage_ranks"]
-    boundaries = sum(1 for s in range(len(where) - 1) if where[s] != where[s + 1])
-    return 2 * boundaries * t["microbatches"]
 
 
 # --------------------------------------------------------------------------------------
@@ -122,14 +104,7 @@ def test_bubble_and_p2p_match_the_idle_time(measured):
     """Idle = the window less this rank's passes. Not less its sleeps: a pass also runs
     autograd and the profiler around its sleeps (1.5-3% of it here, 9-29 ms per step over
     32-48 passes), which is compute, as the analysis (within 0.6% of the passes) says."""
-    breakdown = breakdowns(measured.report)
-    errors = {}
-    for rank, truth in measured.truth.items():
-        for step in PROFILED:
-            lo, hi = _window(measured, rank, step)
-            idle = (hi - lo - covered(_passes(truth, step), lo, hi)) / 1e9
-            parts = breakdown[rank, step]
-            errors[rank, step] = round((parts["pp_bubble"] + parts["pp_transfer"] - idle) * 1e3, 2)
+    errors = idle_errors_ms(measured.report, measured.truth, PROFILED, _passes)
     assert max(abs(e) for e in errors.values()) < 15, f"bubble + p2p - idle, ms: {errors}"
 
 
@@ -138,7 +113,7 @@ def test_every_send_pairs_with_its_recv(measured):
     ev = measured.run.events
     sends = ev[(ev["category"] == "p2p") & ev["op"].isin(["send_fwd", "send_bwd"]) & ev["step"].isin(PROFILED)]
     recvs = ev[(ev["category"] == "p2p") & ev["op"].isin(["recv_fwd", "recv_bwd"]) & ev["step"].isin(PROFILED)]
-    expected = _sends_per_step(measured.truth)
+    expected = sends_per_step(measured.truth)
     assert len(sends) == len(recvs) == expected * len(PROFILED)
     p2p = measured.report["p2p"]
     assert p2p["pairs"] == expected  # a mean over the profiled steps

@@ -24,6 +24,39 @@ def covered(spans, lo: int, hi: int) -> int:
     return total
 
 
+def pipeline_window(truths: dict, rank: int, step: int) -> tuple:
+    """The pipeline window (DESIGN contract 3) from the truth (rank -> truth), within
+    ``rank``'s step: every rank runs its pipeline inside schedule.step(), so the window spans
+    the earliest call to the latest return; the part before this rank's step began belongs
+    to its previous step."""
+    steps = [truth_step(t, step) for t in truths.values()]
+    own = truth_step(truths[rank], step)
+    return (max(min(s["pipeline_start_epoch_ns"] for s in steps), own["start_epoch_ns"]),
+            min(max(s["pipeline_end_epoch_ns"] for s in steps), own["end_epoch_ns"]))
+
+
+def sends_per_step(truths: dict) -> int:
+    """The p2p messages one step moves: each microbatch crosses every stage boundary whose two
+    stages sit on different ranks, once forward and once backward."""
+    t = next(iter(truths.values()))
+    where = t["stage_ranks"]
+    boundaries = sum(1 for s in range(len(where) - 1) if where[s] != where[s + 1])
+    return 2 * boundaries * t["microbatches"]
+
+
+def idle_errors_ms(report: dict, truths: dict, steps, busy) -> dict:
+    """(rank, step) -> ms of pp_bubble + pp_transfer over the true idle: the truth's pipeline
+    window less what ``busy(truth, step)`` (spans, epoch ns) says the rank was doing."""
+    parts, out = breakdowns(report), {}
+    for rank, truth in truths.items():
+        for step in steps:
+            lo, hi = pipeline_window(truths, rank, step)
+            idle = (hi - lo - covered(busy(truth, step), lo, hi)) / 1e9
+            p = parts[rank, step]
+            out[rank, step] = round((p["pp_bubble"] + p["pp_transfer"] - idle) * 1e3, 2)
+    return out
+
+
 def breakdowns(report: dict) -> dict:
     """(rank, step) -> that step's breakdown_s in the analyze --json document."""
     return {(r["rank"], s["step"]): s["breakdown_s"] for r in report["ranks"] for s in r["steps"]}
