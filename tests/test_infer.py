@@ -20,7 +20,7 @@ from pptrace.events import p2p_args
 from pptrace.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
-from truth_checks import (breakdowns, check_dashboard, check_whatif_replay, idle_errors_ms, sends_per_step, sleeps)
+from truth_checks import check_dashboard, check_whatif_replay, compute_errors, idle_errors_ms, sends_per_step, sleeps
 
 
 # --------------------------------------------------------------------------------------
@@ -287,12 +287,7 @@ def test_plain_pipeline_found_and_marked_inferred(plain):
 
 @pytest.mark.slow
 def test_plain_compute_matches_the_sleeps(plain):
-    breakdown = breakdowns(plain.report)
-    errors = {}
-    for rank, truth in plain.truth.items():
-        for step in PROFILED:
-            slept = sum(b - a for a, b in sleeps(truth, step)) / 1e9
-            errors[rank, step] = round(breakdown[rank, step]["compute"] / slept - 1, 4)
+    errors = compute_errors(plain.report, plain.truth, PROFILED)
     assert max(abs(e) for e in errors.values()) < 0.10, errors
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipelining_run import SCHEDULES, load_truth, run
-from truth_checks import (breakdowns, check_dashboard, check_whatif_replay, idle_errors_ms, sends_per_step, sleeps,
+from truth_checks import (check_dashboard, check_whatif_replay, compute_errors, idle_errors_ms, sends_per_step,
                           truth_step)
 
 #: 20/40 ms passes: a pass's own overhead (autograd, the profiler; ~0.3-0.5 ms on a loaded
@@ -90,12 +90,7 @@ def test_schedule_microbatches_and_action_order_found(measured):
 
 @pytest.mark.slow
 def test_compute_matches_the_sleeps(measured):
-    breakdown = breakdowns(measured.report)
-    errors = {}
-    for rank, truth in measured.truth.items():
-        for step in PROFILED:
-            slept = sum(b - a for a, b in sleeps(truth, step)) / 1e9
-            errors[rank, step] = breakdown[rank, step]["compute"] / slept - 1
+    errors = compute_errors(measured.report, measured.truth, PROFILED)
     assert max(abs(e) for e in errors.values()) < 0.05, errors
 
 

@@ -57,6 +57,13 @@ def idle_errors_ms(report: dict, truths: dict, steps, busy) -> dict:
     return out
 
 
+def compute_errors(report: dict, truths: dict, steps) -> dict:
+    """(rank, step) -> the analysis's compute over the rank's logged sleeps, less 1."""
+    parts = breakdowns(report)
+    return {(rank, step): parts[rank, step]["compute"] / (sum(b - a for a, b in sleeps(truth, step)) / 1e9) - 1
+            for rank, truth in truths.items() for step in steps}
+
+
 def breakdowns(report: dict) -> dict:
     """(rank, step) -> that step's breakdown_s in the analyze --json document."""
     return {(r["rank"], s["step"]): s["breakdown_s"] for r in report["ranks"] for s in r["steps"]}

@@ -247,13 +247,18 @@ class MegatronInstrumentation:
                           f"{exc}); the rest of this run is a plain trace", stacklevel=3)
             return None
 
-    def _forward_step(self, original, signature, *args, **kwargs):
-        opened = self._safe(self._before_forward, signature, args, kwargs)
+    def _around(self, before, after, original, signature, args, kwargs):
+        """``original(*args, **kwargs)`` inside the range ``before`` opens; ``after`` notes
+        what it returned. Neither can fail the call (see _safe)."""
+        opened = self._safe(before, signature, args, kwargs)
         with opened[0] if opened else nullcontext():
-            output = original(*args, **kwargs)
+            result = original(*args, **kwargs)
         if opened:
-            self._safe(self._after_forward, opened, output)
-        return output
+            self._safe(after, opened, result)
+        return result
+
+    def _forward_step(self, original, signature, *args, **kwargs):
+        return self._around(self._before_forward, self._after_forward, original, signature, args, kwargs)
 
     def _before_forward(self, signature, args, kwargs):
         t = self._tracker
@@ -273,12 +278,7 @@ class MegatronInstrumentation:
         t.actions.append(["F", t.stage(chunk), mb])
 
     def _backward_step(self, original, signature, *args, **kwargs):
-        opened = self._safe(self._before_backward, signature, args, kwargs)
-        with opened[0] if opened else nullcontext():
-            grads = original(*args, **kwargs)
-        if opened:
-            self._safe(self._after_backward, opened, grads)
-        return grads
+        return self._around(self._before_backward, self._after_backward, original, signature, args, kwargs)
 
     def _before_backward(self, signature, args, kwargs):
         t = self._tracker
