@@ -101,8 +101,8 @@ def main(argv=None) -> int:
     from tracegen import pipeline_run
 
     from dashboards.page import build_figures, render_html
-    from pptrace.report import build_report
-    from pptrace.run import load_run
+    from pptrace.export.report import build_report
+    from pptrace.ingest.run import load_run
 
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_dashboard_"))
     t = time.perf_counter()

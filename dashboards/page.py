@@ -89,7 +89,7 @@ def build_figures(run, report: dict) -> dict:
     tl = build_timeline(run.events, run.layout, steps=steps)
     figures = {"timeline": timeline_figure(tl)}
     if run.layout.pp > 1:
-        from pptrace.whatif import whatif
+        from pptrace.whatif.predict import whatif
 
         try:
             figures["replay"] = replay_figure(report, whatif(run))
@@ -229,7 +229,7 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
 
 
 def write_dashboard(run, report: dict, out_path, *, png_dir=None) -> Path:
-    """Write the page for ``run`` (a :class:`pptrace.run.Run`) and its contract-4 ``report``;
+    """Write the page for ``run`` (a :class:`pptrace.ingest.run.Run`) and its contract-4 ``report``;
     with ``png_dir``, also one PNG per figure. Returns the HTML path."""
     out_path = Path(out_path)
     figures = build_figures(run, report)

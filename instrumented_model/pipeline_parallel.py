@@ -18,7 +18,7 @@ from pptrace import region
 
 from . import pp_communications as p2p
 from .pp_communications import Message, P2PContext
-from pptrace.schedules import num_warmup_microbatches, schedule_table
+from pptrace.whatif.schedules import num_warmup_microbatches, schedule_table
 
 
 class StageCompute(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import pp_communications as p2p
 from .pipeline_parallel import PipelineRun
 from .pp_communications import Message
-from pptrace.schedules import (
+from pptrace.whatif.schedules import (
     interleaved_backward_order,
     interleaved_forward_order,
     num_warmup_microbatches,

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pptrace.instrument import parse_steps
 from pptrace.topology import Layout
 
-from pptrace.schedules import SCHEDULES
+from pptrace.whatif.schedules import SCHEDULES
 
 COMPUTE_MODES = ("model", "sleep")
 CP_ALGOS = ("ring", "ulysses")

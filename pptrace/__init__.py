@@ -10,7 +10,7 @@ from .topology import Layout
 __version__ = "0.1.0"
 __all__ = ["Layout", "RangeName", "format_name", "load_run", "parse_name", "profile", "region", "__version__"]
 
-_LAZY = {"profile": "instrument", "region": "instrument", "load_run": "run"}
+_LAZY = {"profile": "instrument", "region": "instrument", "load_run": "ingest.run"}
 
 
 def __getattr__(name):

@@ -62,7 +62,7 @@ def _console(stderr: bool = False):
 
 
 def _load(run_dir, ranks=None, steps=None):
-    from .run import load_run
+    from .ingest.run import load_run
 
     return load_run(run_dir, ranks=ranks, steps=steps, progress=sys.stderr.isatty())
 
@@ -84,7 +84,7 @@ def info(run_dir: Path):
     """What a run directory holds: ranks, layout, steps, trace sizes."""
     from rich.table import Table
 
-    from .load import find_trace_files, rank_of, read_header
+    from .ingest.load import find_trace_files, rank_of, read_header
 
     files = find_trace_files(run_dir)
     table = Table(title=f"{run_dir}", title_justify="left")
@@ -162,10 +162,10 @@ def _write_json(document: dict, target: str | None = None) -> None:
 def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta):
     """Where each rank's step time goes: compute, pipeline bubble, p2p wait vs transfer,
     exposed vs hidden TP/CP/DP communication, stragglers."""
-    from .report import build_report, print_report
+    from .export.report import build_report, print_report
 
     if with_hta:
-        from .hta_compare import INSTALL_HINT, hta_available
+        from .export.hta import INSTALL_HINT, hta_available
 
         if not hta_available():
             raise click.ClickException(INSTALL_HINT)
@@ -173,7 +173,7 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta)
     report = build_report(run)
     comparison = None
     if with_hta:
-        from .hta_compare import compare
+        from .export.hta import compare
 
         comparison = compare(run)
         report["hta"] = {"ranks": comparison[0].to_dict("records"), "notes": comparison[1]}
@@ -182,7 +182,7 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta)
     else:
         print_report(report, _console())
         if comparison is not None:
-            from .hta_compare import print_comparison
+            from .export.hta import print_comparison
 
             print_comparison(*comparison, _console())
     if html_out:
@@ -203,7 +203,7 @@ def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
     """One self-contained interactive HTML page: the pipeline as it ran, breakdowns, overlap, stragglers."""
     from dashboards import write_dashboard
 
-    from .report import build_report
+    from .export.report import build_report
 
     run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
     output = output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
@@ -221,7 +221,7 @@ def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
 @_one_line_errors
 def merge(run_dir: Path, steps_text, ranks_text, output):
     """One Perfetto / chrome://tracing trace of every rank on aligned clocks, p2p pairs as arrows."""
-    from .merge import merge_run
+    from .export.perfetto import merge_run
 
     run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
     path = merge_run(run, output)
@@ -243,7 +243,7 @@ def merge(run_dir: Path, steps_text, ranks_text, output):
 @_one_line_errors
 def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out):
     """Predict the step time under another schedule, vpp, microbatch count, without the straggler."""
-    from . import whatif as whatif_mod
+    from .whatif import predict as whatif_mod
 
     run = _load(run_dir)
     result = whatif_mod.whatif(run, schedule=schedule, vpp=vpp, microbatches=microbatches,
@@ -280,7 +280,7 @@ def demo(out: Path, trainer_args):
 
     from dashboards import write_dashboard
 
-    from .report import build_report, print_report
+    from .export.report import build_report, print_report
 
     run = _load(out)
     report = build_report(run)

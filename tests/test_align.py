@@ -7,8 +7,8 @@ import shutil
 import orjson
 import pytest
 
-from pptrace.align import apply_offsets, estimate_offsets
-from pptrace.run import load_run
+from pptrace.ingest.align import apply_offsets, estimate_offsets
+from pptrace.ingest.run import load_run
 from tracegen import pipeline_run
 
 
@@ -95,7 +95,7 @@ def test_one_host_keeps_its_shared_clock(gloo_run):
 
 
 def test_clock_step_warning_needs_more_than_the_sampling_bracket():
-    from pptrace.align import clock_drift_warnings
+    from pptrace.ingest.align import clock_drift_warnings
 
     def meta(end_wall_shift_ns, bracket_ns):
         start = {"wall_ns": 1_000_000_000, "perf_ns": 5_000, "bracket_ns": bracket_ns}

@@ -42,8 +42,8 @@ def trainer_run(tmp_path_factory):
     """name -> (Run, report); each trainer run happens once per session, on first use."""
     if importlib.util.find_spec("instrumented_model.train") is None:
         pytest.skip("instrumented_model.train does not exist yet")
-    from pptrace.report import build_report
-    from pptrace.run import load_run
+    from pptrace.export.report import build_report
+    from pptrace.ingest.run import load_run
 
     cache = {}
 
@@ -169,8 +169,8 @@ def test_delay_names_the_straggler_and_moves_bubble_to_the_others(trainer_run):
 def _cp_forward_split(run, report):
     """(hidden, exposed) seconds of CP communication inside forward ranges, all ranks and
     steps: the ring overlaps only the forward's K/V exchange (its backward is blocking)."""
-    from pptrace.analyzers.activity import rank_activity
-    from pptrace.analyzers.intervals import union
+    from pptrace.ingest.activity import rank_activity
+    from pptrace.ingest.intervals import union
 
     hidden = exposed = 0
     for rank, ev in run.events.groupby("rank", observed=True):

@@ -12,13 +12,13 @@ import orjson
 import pandas as pd
 import pytest
 
-from pptrace.analyzers.breakdown import PARTS, breakdown_table, partition_run
-from pptrace.analyzers.intervals import Intervals, partition, union
+from pptrace.analyzers.partition import PARTS, breakdown_table, partition_run
+from pptrace.ingest.intervals import Intervals, partition, union
 from pptrace.analyzers.p2p import link_table, match_pairs
-from pptrace.analyzers.pipeline import balanced_theory_bubble, pipeline_stages, theory_step
-from pptrace.analyzers.runview import RunView
+from pptrace.analyzers.bubble import balanced_theory_bubble, pipeline_stages, theory_step
+from pptrace.ingest.runview import RunView
 from pptrace.analyzers.stragglers import find_stragglers
-from pptrace.load import load_rank
+from pptrace.ingest.load import load_rank
 from pptrace.topology import Layout
 
 BASE_NS = 1_700_000_000_000_000_000

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from pptrace.errors import TraceError
-from pptrace.load import find_trace_files, load_rank
-from pptrace.run import load_run
+from pptrace.ingest.load import find_trace_files, load_rank
+from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, pipeline_run, write_run
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.analyzers.breakdown import partition_run
+from pptrace.analyzers.partition import partition_run
 from pptrace.analyzers.p2p import match_pairs
-from pptrace.analyzers.pipeline import balanced_theory_bubble, bubble_split, pipeline_stages
-from pptrace.simulate import PipelineTimes, simulate, stage_program
+from pptrace.analyzers.bubble import balanced_theory_bubble, bubble_split, pipeline_stages
+from pptrace.whatif.replay import PipelineTimes, simulate, stage_program
 from pptrace.topology import Layout
 
 from test_analyzers_synthetic import _trace, _view
@@ -139,7 +139,7 @@ def test_whatif_replays_a_schedule_without_a_table_from_its_own_order(tmp_path, 
     import orjson
 
     from pptrace import load_run
-    from pptrace.whatif import whatif
+    from pptrace.whatif.predict import whatif
 
     wgrad = T_W if schedule == "zb-h1" else 0
     times = PipelineTimes.uniform(P, M, T_F / 1e6, (T_B - wgrad) / 1e6, wgrad / 1e6)

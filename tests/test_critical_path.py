@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pptrace.analyzers.critical_path import critical_path
-from pptrace.run import load_run
+from pptrace.ingest.run import load_run
 from tracegen import pipeline_run
 
 FWD_US, BWD_US = 1000.0, 2000.0

@@ -1,7 +1,7 @@
 """Figure builders and page assembly on synthetic runs whose every block and gap is known.
 
 The synthetic run is a GPipe schedule written as real torch.profiler-shaped trace files and read
-back through ``pptrace.run.load_run``: forward F(s, j) starts at s*(tf+g) + j*tf, backward
+back through ``pptrace.ingest.run.load_run``: forward F(s, j) starts at s*(tf+g) + j*tf, backward
 B(s, j) at T_F + (p-1-s)*(tb+g) + j*tb, every p2p transfer takes g. So each stage computes
 m*(tf+tb) and is idle (p-1)*(tf+tb+2g) inside the pipeline window.
 """
@@ -26,7 +26,7 @@ from dashboards.figures import (
 )
 from dashboards.page import render_html, write_dashboard
 from dashboards.timeline import build_timeline, decimate
-from pptrace.run import load_run
+from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 
 BASE_NS = 1_700_000_000_000_000_000
@@ -357,8 +357,8 @@ def test_empty_report_gives_placeholders_not_errors():
 
 
 def test_replay_figure_puts_measured_and_replayed_passes_side_by_side(gpipe_run):
-    from pptrace.report import build_report
-    from pptrace.whatif import whatif
+    from pptrace.export.report import build_report
+    from pptrace.whatif.predict import whatif
 
     report, result = build_report(gpipe_run), whatif(gpipe_run)
     fig = replay_figure(report, result)

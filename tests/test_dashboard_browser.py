@@ -124,8 +124,8 @@ def _trainer_run(out: Path) -> Path:
 
 def _page_for(run_dir: Path, html: Path) -> Path:
     from dashboards import write_dashboard
-    from pptrace.report import build_report
-    from pptrace.run import load_run
+    from pptrace.export.report import build_report
+    from pptrace.ingest.run import load_run
 
     run = load_run(run_dir, use_cache=False)
     return write_dashboard(run, build_report(run), html)

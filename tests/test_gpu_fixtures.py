@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 
-from pptrace.analyzers.breakdown import PARTS, activities, partition_run
-from pptrace.analyzers.gpu import gpu_step_windows, gpu_timeline
-from pptrace.analyzers.runview import view_of
-from pptrace.report import build_report
-from pptrace.run import load_run
+from pptrace.analyzers.partition import PARTS, activities, partition_run
+from pptrace.analyzers.gpu_timeline import gpu_step_windows, gpu_timeline
+from pptrace.ingest.runview import view_of
+from pptrace.export.report import build_report
+from pptrace.ingest.run import load_run
 
 
 def _run(hta_fixtures, *names, tmp=None):

@@ -1,5 +1,5 @@
 """pptrace's GPU numbers against HTA's on the same real traces: within 2 percentage points
-(the differences by design are in pptrace/hta_compare.py's docstring)."""
+(the differences by design are in pptrace/export/hta.py's docstring)."""
 from __future__ import annotations
 
 import shutil
@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from pptrace.cli import cli
-from pptrace.run import load_run
+from pptrace.ingest.run import load_run
 
 CASES = {
     "world2": ["nccl_allreduce_world2_rank0.json.gz"],
@@ -27,7 +27,7 @@ def _copy(hta_fixtures, tmp_path, names):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_within_two_points_of_hta(case, hta_fixtures, tmp_path):
     pytest.importorskip("hta")
-    from pptrace.hta_compare import compare
+    from pptrace.export.hta import compare
 
     run = load_run(_copy(hta_fixtures, tmp_path, CASES[case]), use_cache=False, progress=False)
     table, notes = compare(run)

@@ -1,4 +1,4 @@
-"""Plain traces (no pptrace in the run) inferred: pptrace/infer.py (issue 12).
+"""Plain traces (no pptrace in the run) inferred: pptrace/ingest/infer.py (issue 12).
 
 Synthetic traces pin the rules to the microsecond: the names torch writes, peers from
 "Concrete Inputs", FIFO pairing, passes cut to their ops, the layout from pg_config or the
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pptrace import infer
-from pptrace.events import p2p_args
-from pptrace.run import load_run
+from pptrace.ingest import infer
+from pptrace.ingest.schema import p2p_args
+from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
 from truth_checks import check_dashboard, check_whatif_replay, compute_errors, idle_errors_ms, sends_per_step, sleeps
@@ -142,8 +142,8 @@ def test_synthetic_passes_are_the_ops_between_posts(synthetic):
     for rank, truth in TRUTH.items():
         assert _passes(synthetic, rank) == [(op, mb, float(s), float(e)) for op, mb, s, e in truth]
     # the 30 us without an op inside rank 0's first forward is not compute
-    from pptrace.analyzers.breakdown import activities
-    from pptrace.analyzers.runview import view_of
+    from pptrace.analyzers.partition import activities
+    from pptrace.ingest.runview import view_of
 
     act = activities(view_of(synthetic))[0]
     ev = synthetic.events[synthetic.events["rank"] == 0]
@@ -265,7 +265,7 @@ class Plain:
 @pytest.fixture(scope="module", params=REAL)
 def plain(request, tmp_path_factory) -> Plain:
     from pipelining_run import load_truth, run
-    from pptrace.report import build_report
+    from pptrace.export.report import build_report
 
     out = run(tmp_path_factory.mktemp(request.param) / "run", request.param, mode="plain", **RUN)
     loaded = load_run(out, use_cache=False)
@@ -387,7 +387,7 @@ def test_plain_megatron_core(tmp_path, schedule):
                 hit = mine[(mine["raw_start_ns"] <= mid) & (mine["raw_end_ns"] >= mid)]
                 assert [(str(o), int(m), int(c)) for o, m, c in zip(hit["op"], hit["mb"], hit["chunk"])] == [
                     (p["op"], p["mb"], p["chunk"])], (rank, step, p)
-    from pptrace.whatif import whatif
+    from pptrace.whatif.predict import whatif
 
     assert abs(whatif(loaded)["replay"]["error_fraction"]) < 0.10
     boundaries = 4 * (2 if schedule == "interleaved" else 1) - 1

@@ -45,7 +45,7 @@ class Measured:
 @pytest.fixture(scope="module", params=["1f1b", "interleaved"])
 def measured(request, tmp_path_factory) -> Measured:
     import pptrace
-    from pptrace.report import build_report
+    from pptrace.export.report import build_report
 
     out = run(tmp_path_factory.mktemp(request.param) / "run", request.param, mode="pptrace", **RUN)
     loaded = pptrace.load_run(out, use_cache=False)
@@ -207,7 +207,7 @@ def test_profile_turns_it_on_and_off(tmp_path):
     """On inside profile, off after; a process that imported Megatron but ran none of its
     schedules claims nothing in the metadata block."""
     import pptrace
-    from pptrace.load import load_rank
+    from pptrace.ingest.load import load_rank
 
     before = _originals()
     with pptrace.profile(tmp_path / "run", steps="0-0", integrations=("megatron",)) as prof:

@@ -38,7 +38,7 @@ class Measured:
 @pytest.fixture(scope="module", params=SCHEDULES)
 def measured(request, tmp_path_factory) -> Measured:
     import pptrace
-    from pptrace.report import build_report
+    from pptrace.export.report import build_report
 
     out = run(tmp_path_factory.mktemp(request.param) / "run", request.param, mode="pptrace", **RUN)
     loaded = pptrace.load_run(out, use_cache=False)
@@ -143,7 +143,7 @@ def _truth_replay(m: Measured, step: int | None = None) -> list:
 
     import numpy as np
 
-    from pptrace.simulate import PipelineTimes, action_programs, simulate
+    from pptrace.whatif.replay import PipelineTimes, action_programs, simulate
 
     orders, placement = _truth_orders(m)
     p = len(orders)
@@ -209,7 +209,7 @@ def test_dashboard_page_is_written(measured, tmp_path):
 def test_device_mesh_dims_give_the_layout(tmp_path):
     """A DeviceMesh ("pp", "dp") of 2 x 2: pp from the stage group, dp from the mesh."""
     import pptrace
-    from pptrace.report import build_report
+    from pptrace.export.report import build_report
 
     out = run(tmp_path / "run", "Schedule1F1B", dp=2, microbatches=4, steps=2, profile_steps="1-1",
               fwd_ms=5, bwd_ms=10)

@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pptrace import cache, events, load
-from pptrace.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
-from pptrace.events import CATEGORIES, COLUMNS, RawEvent, classify
-from pptrace.load import find_trace_files, load_rank, read_header
-from pptrace.run import load_run
+from pptrace.ingest import load, schema as events, store as cache
+from pptrace.ingest.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
+from pptrace.ingest.schema import CATEGORIES, COLUMNS, RawEvent, classify
+from pptrace.ingest.load import find_trace_files, load_rank, read_header
+from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, pipeline_run, write_run
 

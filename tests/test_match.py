@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pptrace.match import group_of, match_collectives, match_p2p
-from pptrace.run import load_run
+from pptrace.ingest.match import group_of, match_collectives, match_p2p
+from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, pipeline_run, write_run
 
@@ -98,7 +98,7 @@ def test_real_gloo_matching_is_complete(gloo_run):
 
 @pytest.mark.slow
 def test_real_trainer_run_loads_matches_and_aligns(trainer_run, tmp_path):
-    from pptrace.merge import merge_run
+    from pptrace.export.perfetto import merge_run
 
     run = load_run(trainer_run, use_cache=False)
     assert run.layout == Layout(pp=2, dp=2) and run.ranks == [0, 1, 2, 3]

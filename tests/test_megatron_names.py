@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from pptrace.events import classify
-from pptrace.megatron_names import P2P_OPS, parse_megatron_name
-from pptrace.run import load_run
+from pptrace.ingest.schema import classify
+from pptrace.ingest.megatron_names import P2P_OPS, parse_megatron_name
+from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pptrace.merge import merge_run
-from pptrace.run import load_run
+from pptrace.export.perfetto import merge_run
+from pptrace.ingest.run import load_run
 from tracegen import pipeline_run
 
 

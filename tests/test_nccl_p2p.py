@@ -19,12 +19,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.analyzers.breakdown import PARTS, activities
+from pptrace.analyzers.partition import PARTS, activities
 from pptrace.analyzers.p2p import match_pairs
-from pptrace.analyzers.runview import view_of
-from pptrace.events import build_frame
-from pptrace.report import build_report
-from pptrace.run import load_run
+from pptrace.ingest.runview import view_of
+from pptrace.ingest.schema import build_frame
+from pptrace.export.report import build_report
+from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
 
@@ -370,8 +370,8 @@ def test_dashboard_and_whatif_on_the_plain_nccl_run(built, tmp_path):
     """The page draws the run; what-if says in one line why it cannot replay it (NCCL traces
     name no passes) instead of failing."""
     from dashboards import write_dashboard
-    from pptrace.report import build_report
-    from pptrace.whatif import whatif
+    from pptrace.export.report import build_report
+    from pptrace.whatif.predict import whatif
 
     _, _, run = built
     html = write_dashboard(run, build_report(run), tmp_path / "report.html").read_text()

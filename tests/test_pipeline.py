@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from pptrace.schedules import (
+from pptrace.whatif.schedules import (
     interleaved_forward_order,
     num_warmup_microbatches,
     schedule_table,

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from rich.console import Console
 
-from pptrace.report import SCHEMA, build_report, print_report
+from pptrace.export.report import SCHEMA, build_report, print_report
 from pptrace.topology import Layout
 from conftest import FIXTURES
 from test_analyzers_synthetic import STAGE0, STAGE1, _trace, _view, pipeline_view  # noqa: F401 (fixture)
@@ -75,8 +75,8 @@ def test_print_report_shows_every_view(pipeline_view):
 
 
 def test_report_through_load_run(tmp_path):
-    """The same traces as a run directory, loaded, aligned and matched by pptrace.run."""
-    from pptrace.run import load_run
+    """The same traces as a run directory, loaded, aligned and matched by pptrace.ingest.run."""
+    from pptrace.ingest.run import load_run
 
     layout = Layout(pp=2)
     traces = tmp_path / "run" / "traces"
@@ -106,7 +106,7 @@ def test_missing_rank_gives_partial_results_and_warnings(tmp_path):
 
 @pytest.mark.parametrize("trace", sorted(p.name for p in FIXTURES.glob("*.json.gz")))
 def test_report_on_real_gpu_traces(trace):
-    from pptrace.run import load_run
+    from pptrace.ingest.run import load_run
 
     run = load_run(FIXTURES / trace, use_cache=False)
     report = build_report(run)

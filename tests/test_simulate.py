@@ -6,8 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pptrace.schedules import schedule_table
-from pptrace.simulate import SEND_MODES, PipelineTimes, simulate, stage_program
+from pptrace.whatif.schedules import schedule_table
+from pptrace.whatif.replay import SEND_MODES, PipelineTimes, simulate, stage_program
 
 TF, TB = 0.010, 0.020
 
@@ -121,7 +121,7 @@ def test_bad_inputs_name_the_problem():
 # -- whatif glue on a synthetic run with exact timing (tests/tracegen.py) -------------------
 @pytest.fixture(scope="module")
 def synthetic_gpipe(tmp_path_factory):
-    from pptrace.run import load_run
+    from pptrace.ingest.run import load_run
     from tracegen import pipeline_run
 
     out, _ = pipeline_run(tmp_path_factory.mktemp("wi"), pp=3, microbatches=6, steps=(1, 2),
@@ -130,7 +130,7 @@ def synthetic_gpipe(tmp_path_factory):
 
 
 def test_whatif_measures_and_replays_a_synthetic_run(synthetic_gpipe):
-    from pptrace.whatif import whatif
+    from pptrace.whatif.predict import whatif
 
     result = whatif(synthetic_gpipe)
     assert result["model"]["t_fwd_s"] == pytest.approx([0.001] * 3)
@@ -146,7 +146,7 @@ def test_whatif_measures_and_replays_a_synthetic_run(synthetic_gpipe):
 
 
 def test_whatif_rejects_impossible_changes(synthetic_gpipe):
-    from pptrace.whatif import whatif
+    from pptrace.whatif.predict import whatif
 
     with pytest.raises(ValueError, match="needs --schedule interleaved"):
         whatif(synthetic_gpipe, schedule="1f1b", vpp=2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.schedules import canonical, has_closed_form, schedule_table, stage_placement
-from pptrace.simulate import PipelineTimes, action_programs, simulate
+from pptrace.whatif.schedules import canonical, has_closed_form, schedule_table, stage_placement
+from pptrace.whatif.replay import PipelineTimes, action_programs, simulate
 
 _OP = {"F": "F", "B": "B", "W": "W"}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pptrace.schedules import schedule_table
+from pptrace.whatif.schedules import schedule_table
 from instrumented_model.train import main
 from instrumented_model.train_config import config_from_args
 from pptrace.naming import parse_name

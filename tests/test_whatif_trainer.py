@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from pptrace.analyzers.critical_path import critical_path
-from pptrace.run import load_run
-from pptrace.simulate import stage_program
-from pptrace.whatif import measure, whatif, write_simulated_trace
+from pptrace.ingest.run import load_run
+from pptrace.whatif.replay import stage_program
+from pptrace.whatif.predict import measure, whatif, write_simulated_trace
 
 pytestmark = pytest.mark.slow
 

@@ -71,8 +71,8 @@ def breakdowns(report: dict) -> dict:
 
 def check_whatif_replay(run, schedule: str, limit: float = 0.10) -> None:
     """What-if replays the measured schedule within ``limit`` of the measured step."""
-    from pptrace.schedules import canonical
-    from pptrace.whatif import whatif
+    from pptrace.whatif.schedules import canonical
+    from pptrace.whatif.predict import whatif
 
     result = whatif(run)
     assert result["measured"]["schedule"] == canonical(schedule)

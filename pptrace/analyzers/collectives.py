@@ -11,14 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..match import match_collectives
-from .activity import DIMS
+from ..ingest.match import match_collectives
+from ..ingest.activity import DIMS
 
 COLUMNS = ("dim", "count", "bytes", "time_s", "exposed_s", "hidden_s", "wait_s", "transfer_s", "ops")
 
 
 def instances(view) -> pd.DataFrame:
-    """Collective instances (pptrace.match layout), from the loader or matched here."""
+    """Collective instances (pptrace.ingest.match layout), from the loader or matched here."""
     if view.collectives is not None and "arrive_ns" in view.collectives.columns:
         return view.collectives
     table, _ = match_collectives(view.events, view.layout, view.ranks)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..projection import gpu_extent
-from .intervals import Intervals, union
-from .runview import RunView
+from ..ingest.projection import gpu_extent
+from ..ingest.intervals import Intervals, union
+from ..ingest.runview import RunView
 
 _DIRECTION = {"send_fwd": "fwd", "recv_fwd": "fwd", "send_bwd": "bwd", "recv_bwd": "bwd"}
 PAIR_COLUMNS = (
@@ -48,7 +48,7 @@ def p2p_events(view: RunView) -> pd.DataFrame:
 
 
 def match_pairs(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(pairs, unmatched p2p events). The loader's pairs (pptrace.match) when the view has
+    """(pairs, unmatched p2p events). The loader's pairs (pptrace.ingest.match) when the view has
     them and they refer to its events; else sends and recvs pair here by (src, dst,
     direction, mb, chunk) and order of occurrence, the key the trainer's tags are made for."""
     ev = p2p_events(view).sort_values("start_ns", kind="stable")

@@ -1,7 +1,7 @@
 """Megatron-Core's pipeline schedules as contract-1 ranges, with nothing but ``pptrace.profile``.
 
 Megatron-Core writes no range of its own into a torch.profiler trace (its names go to NVTX
-only, see :mod:`pptrace.megatron_names`). This integration patches the functions its
+only, see :mod:`pptrace.ingest.megatron_names`). This integration patches the functions its
 schedules call through module globals (checked against megatron-core 0.16.1):
 
 - ``schedules.forward_step`` -> ``compute:fwd mb=<current_microbatch> chunk=<vp_stage>``

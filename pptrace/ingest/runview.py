@@ -1,6 +1,6 @@
 """What the analyzers read from a run, as one small immutable object.
 
-``pptrace.run.Run`` (the loader's result) carries much more; the analyzers only need the
+``pptrace.ingest.run.Run`` (the loader's result) carries much more; the analyzers only need the
 aligned events, the layout and the schedule facts. Taking them through this view keeps
 every analysis a pure function that tests can feed with a hand-built events table
 (:meth:`RunView.from_events`) instead of files on disk.
@@ -111,7 +111,7 @@ def _recorded(meta) -> tuple[dict, tuple | None]:
 
 
 def view_of(run) -> RunView:
-    """The view of a loaded ``pptrace.run.Run`` (duck-typed: any object with its attributes)."""
+    """The view of a loaded ``pptrace.ingest.run.Run`` (duck-typed: any object with its attributes)."""
     if isinstance(run, RunView):
         return run
     offsets, bounds = _offsets(run)

@@ -22,12 +22,12 @@ import orjson
 import pyarrow as pa
 
 from .columnar import StoredTable
-from .events import SCHEMA_VERSION
+from .schema import SCHEMA_VERSION
 
 CACHE_DIRNAME = ".pptrace-cache"
 _SUFFIX = ".arrow"
 _OLD_SUFFIXES = (".parquet",)  # entries of earlier pptrace versions, replaced when rewritten
-_META_KEY = b"pptrace.cache"
+_META_KEY = b"pptrace.ingest.store"
 
 
 def source_key(trace_path) -> dict:

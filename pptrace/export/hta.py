@@ -4,7 +4,7 @@ the ``traceinsight`` distribution: ``pip install 'pptrace[hta]'``) on the same t
 HTA's ``get_temporal_breakdown`` splits each rank's GPU span into compute (non-NCCL,
 non-memory kernels), non-compute (NCCL and memcpy/memset time not under compute) and idle;
 ``get_comm_comp_overlap`` gives the share of NCCL kernel time that ran under compute
-kernels. pptrace's :mod:`pptrace.analyzers.gpu` computes the same quantities per step;
+kernels. pptrace's :mod:`pptrace.analyzers.gpu_timeline` computes the same quantities per step;
 this module sums them over the steps HTA covers and prints both side by side.
 
 Where the two differ by design (expect well under 2 percentage points on real traces):
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .analyzers.gpu import gpu_timeline
-from .errors import TraceError
+from ..analyzers.gpu_timeline import gpu_timeline
+from ..errors import TraceError
 
 INSTALL_HINT = "HTA is not installed: pip install 'pptrace[hta]' (the traceinsight package) to use --hta"
 COLUMNS = (
@@ -111,7 +111,7 @@ def pptrace_side(events: pd.DataFrame, ranks, steps) -> pd.DataFrame:
 
 
 def compare(run) -> tuple[pd.DataFrame, list[str]]:
-    """Per-rank pptrace vs HTA table (COLUMNS) for a loaded ``pptrace.run.Run``, and notes."""
+    """Per-rank pptrace vs HTA table (COLUMNS) for a loaded ``pptrace.ingest.run.Run``, and notes."""
     notes = []
     events = run.events
     if not events["category"].isin(["kernel_compute", "kernel_comm"]).any():

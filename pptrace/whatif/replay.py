@@ -1,7 +1,7 @@
 """Event simulation of pipeline schedules: replay p stages x m microbatches with given durations.
 
 Each stage runs a *program*: its compute passes (F, B, W) in the trainer's order
-(``pptrace.schedules``, which the trainer executes) interleaved with the p2p exchanges the trainer posts
+(``pptrace.whatif.schedules``, which the trainer executes) interleaved with the p2p exchanges the trainer posts
 between them (Megatron's combined ops: ``send_forward_recv_backward`` and the interleaved
 schedule's four-way exchange). Modelling the exchanges and not only the data dependencies
 matters: a combined op waits for *all* its directions, so a stage can be held by a message it

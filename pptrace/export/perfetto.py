@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from .errors import TraceError
+from ..errors import TraceError
 
 _LANE_ORDER = {"main": 0}
 

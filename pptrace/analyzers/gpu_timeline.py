@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .intervals import Intervals, union
+from ..ingest.intervals import Intervals, union
 
 GPU_ACTIVITY = ("kernel_compute", "kernel_comm", "memcpy")
 #: a step is flagged launch-bound when at least this share of its GPU idle time is

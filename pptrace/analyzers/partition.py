@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..projection import gpu_extent
-from .activity import DIMS, Activity, rank_activity
-from .gpu import gpu_step_windows
-from .intervals import Intervals, partition, union
+from ..ingest.projection import gpu_extent
+from ..ingest.activity import DIMS, Activity, rank_activity
+from .gpu_timeline import gpu_step_windows
+from ..ingest.intervals import Intervals, partition, union
 from .p2p import match_pairs, split_by_rank
-from .runview import RunView
+from ..ingest.runview import RunView
 
 PARTS = ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "pp_transfer", "pp_bubble", "other")
 #: pipeline work: what opens and closes a step's pipeline window.

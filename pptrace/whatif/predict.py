@@ -18,7 +18,7 @@ import orjson
 import pandas as pd
 
 from .schedules import SCHEDULES, canonical, has_closed_form
-from .simulate import PipelineTimes, Timeline, action_programs, simulate
+from .replay import PipelineTimes, Timeline, action_programs, simulate
 
 SCHEMA = "pptrace.whatif/1"
 _PIPE_COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -237,8 +237,8 @@ def measure(run) -> Measured:
 def _own_programs(run, v: int, m: int) -> tuple[list, int]:
     """Programs of a schedule without a table, from its recorded or measured action order,
     and the microbatch count (what the orders hold when the run did not say)."""
-    from .analyzers.pipeline import action_orders, microbatch_times
-    from .analyzers.runview import view_of
+    from ..analyzers.bubble import action_orders, microbatch_times
+    from ..ingest.runview import view_of
 
     view = view_of(run)
     found = action_orders(view, microbatch_times(view), v)

@@ -24,7 +24,7 @@ def gpu_extent(events: pd.DataFrame, rows: pd.DataFrame) -> tuple[np.ndarray, np
         return start, end, found
     ann = events[events["gpu_annotation"].to_numpy() & events["external_id"].notna().to_numpy()]
     _take(ann, "external_id", rows, start, end, found)
-    # NCCL send/recv ops of plain traces (nccl_link.infer_nccl_p2p) carry their kernel's
+    # NCCL send/recv ops of plain traces (nccl.infer_nccl_p2p) carry their kernel's
     # correlation: Kineto projects no range around them, the kernel is their extent
     if {"correlation", "is_nccl"} <= set(events.columns) and (~found).any() and rows["correlation"].notna().any():
         _take(events[events["is_nccl"].to_numpy() & events["correlation"].notna().to_numpy()],

@@ -13,10 +13,10 @@ from pathlib import Path
 import pandas as pd
 
 from . import align, infer, match
-from .errors import TraceError
+from ..errors import TraceError
 from .columnar import frame_from_tables
 from .load import find_trace_files, load_ranks, rank_of, read_header
-from .topology import Layout
+from ..topology import Layout
 
 #: Ranks of one run start their profiled window within seconds of each other; traces whose
 #: first events lie further apart than this come from different runs.
@@ -40,7 +40,7 @@ class Run:
     vpp: int | None = None
     #: what pptrace inferred from a plain trace (no pptrace in the run) -> how, one line
     #: each: keys among layout, peers, p2p, passes, schedule, microbatches, vpp; {} when
-    #: the traces said it all (pptrace.infer)
+    #: the traces said it all (pptrace.ingest.infer)
     inferred: dict = field(default_factory=dict)
 
     @property

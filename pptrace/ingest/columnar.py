@@ -1,13 +1,13 @@
 """The run's events table in Arrow: one fixed schema for every rank, the compressed per-rank
 tables a load keeps (cache files, worker -> parent), and the one-time assembly of the run's
-frame from them (:func:`frame_from_tables`). The schema itself is :mod:`pptrace.events`.
+frame from them (:func:`frame_from_tables`). The schema itself is :mod:`pptrace.ingest.schema`.
 """
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from .events import BOOL_COLUMNS, CATEGORY_COLUMNS, COLUMNS, INT_COLUMNS, NULLABLE_INT_COLUMNS
+from .schema import BOOL_COLUMNS, CATEGORY_COLUMNS, COLUMNS, INT_COLUMNS, NULLABLE_INT_COLUMNS
 
 
 def arrow_schema():
@@ -167,7 +167,7 @@ def frame_from_tables(tables: list) -> pd.DataFrame:
 def _read_stored(item: StoredTable):
     import pyarrow as pa
 
-    from .errors import TraceError
+    from ..errors import TraceError
 
     where = item.path if item.path is not None else "a rank's table in memory"
     try:

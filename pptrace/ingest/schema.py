@@ -18,7 +18,7 @@ start_ns, end_ns   int64      **this rank's own clock**: baseTimeNanoseconds + t
                               clock and keeps the originals in raw_start_ns / raw_end_ns.
 dur_ns             int64      end_ns - start_ns
 kind, op           category   from :func:`pptrace.naming.parse_name`, else Megatron-Core's own
-                              names (:mod:`pptrace.megatron_names`); null for other names
+                              names (:mod:`pptrace.ingest.megatron_names`); null for other names
 mb, chunk, peer,   Int64      the contract-1 tags of that name (nullable). ``ring_step`` is the
 ring_step, layer,             ``step=`` tag (CP ring step), renamed so that it cannot be mistaken
 bucket, bytes                 for the profiler step below. ``gloo:send`` / ``gloo:recv`` ranges
@@ -39,7 +39,7 @@ gpu_annotation     bool       a ``gpu_user_annotation``: a record_function range
                               a stream
 collective         category   record_param_comms / NCCL kernel "Collective name" (allreduce, ...);
                               NCCL kernels without it take it from the host op that launched
-                              them (:mod:`pptrace.nccl_link`), as do group_ranks ... comm_seq
+                              them (:mod:`pptrace.ingest.nccl`), as do group_ranks ... comm_seq
 group_ranks        category   "Process Group Ranks" as written, e.g. ``"[0, 1]"``
 pg_name            category   "Process Group Name"
 in_nelems,         Int64      "In msg nelems" / "Out msg nelems"
@@ -49,7 +49,7 @@ comm_seq           Int64      "Seq" of the collective where the trace has it
 src_rank,          Int64      record_param_comms "Src Rank" / "Dst Rank" of NCCL send/recv: the
 dst_rank                      peer's *global* rank (PyTorch writes them since mid-2024)
 inferred           bool       kind/op/tags were inferred from a foreign name or from the trace's
-                              structure (plain traces, :mod:`pptrace.infer`), not read from a
+                              structure (plain traces, :mod:`pptrace.ingest.infer`), not read from a
                               contract-1 range name
 =================  =========  ===================================================================
 
@@ -80,10 +80,10 @@ import orjson
 import pandas as pd
 
 from .megatron_names import parse_megatron_name
-from .naming import parse_name
-from .nccl_link import infer_nccl_p2p, link_nccl_kernels
+from ..naming import parse_name
+from .nccl import infer_nccl_p2p, link_nccl_kernels
 
-# 2: NCCL kernels carry their launching collective (nccl_link), Megatron names classified
+# 2: NCCL kernels carry their launching collective (ingest/nccl.py), Megatron names classified
 # 3: src_rank / dst_rank of NCCL p2p, the inferred flag (plain traces)
 # 4: c10d send/recv posts carry their "Concrete Inputs" peer and tag, gloo p2p ranges bytes
 SCHEMA_VERSION = 4
@@ -666,7 +666,7 @@ def p2p_args(name: str, concrete, dims, types) -> dict | None:
 
 def _add_p2p_args(df: pd.DataFrame, p2p: dict) -> None:
     """c10d posts get tags {"group_peer": g, "tag": t} (the peer is a rank of the op's process
-    group, which the trace does not name: pptrace.infer maps it to a global rank); gloo
+    group, which the trace does not name: pptrace.ingest.infer maps it to a global rank); gloo
     ranges get ``bytes``."""
     found = {row: args for row, args in p2p.items() if args}
     if not found:

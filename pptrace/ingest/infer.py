@@ -47,9 +47,9 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from .analyzers.intervals import union
-from .events import tags_of
-from .topology import DIMS, Layout
+from .intervals import union
+from .schema import tags_of
+from ..topology import DIMS, Layout
 
 _PASS = re.compile(r"^PP:(\d+)([FBIW])(\d+)$")
 _PP_P2P = re.compile(r"^PP:(\d+)(SEND|RECV)_([FB])(\d+)$")
@@ -145,7 +145,7 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None) -
     codes = events["name"].cat.codes.to_numpy()
     kind = np.where(codes >= 0, table["kind"].to_numpy(object)[codes], "")
     main = (events["lane"] == "main").to_numpy() & (events["step"].to_numpy() >= 0)  # categorical: by code
-    # host traces only: on GPU traces the work runs in kernels (the NCCL p2p: nccl_link.py)
+    # host traces only: on GPU traces the work runs in kernels (the NCCL p2p: nccl.py)
     gpu = (events["lane_kind"] == "gpu").to_numpy()
     if gpu.any():
         main &= ~events["rank"].isin(events.loc[gpu, "rank"].unique()).to_numpy()
@@ -675,9 +675,9 @@ def _schedule(rows: pd.DataFrame, passes: pd.DataFrame, stage_of, pp, v: int, ou
 
 def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict):
     """Schedules that name nothing: the first of 1F1B, GPipe and Megatron's interleaved
-    (v = 2..4) whose table (pptrace.schedules) has every rank's order of forwards and
+    (v = 2..4) whose table (pptrace.whatif.schedules) has every rank's order of forwards and
     backwards in every step -> (name, v, passes with that table's mb and chunk), or None."""
-    from .schedules import schedule_table
+    from ..whatif.schedules import schedule_table
 
     order = passes.sort_values(["rank", "step", "start_ns"], kind="stable").reset_index(drop=True)
     groups = {k: g.index.to_numpy() for k, g in order.groupby(["rank", "step"])}

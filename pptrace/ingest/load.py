@@ -7,7 +7,7 @@ before the next one. A raw newline cannot occur inside a JSON string, so a cut a
 ``}\\n  {`` / ``}, {`` that lands inside an event makes that slice unparseable (unbalanced
 braces); the loader then falls back to parsing the whole document, never to a wrong answer.
 
-Slices are decoded by msgspec into :class:`~pptrace.events.RawEvent` structs that declare
+Slices are decoded by msgspec into :class:`~pptrace.ingest.schema.RawEvent` structs that declare
 only the fields the table needs (everything else is skipped, never built); a slice msgspec
 rejects (invalid UTF-8, NaN, an odd value) is parsed by orjson/json into dicts instead, which
 give the same table. Many ranks: parsed one after the other in this process unless workers
@@ -28,8 +28,8 @@ from pathlib import Path
 import msgspec
 import orjson
 
-from .errors import TraceError
-from .events import RawEvent, build_frame
+from ..errors import TraceError
+from .schema import RawEvent, build_frame
 
 #: Separators between events, most specific first: Kineto's indented output, then compact.
 _SEPARATORS = (b"\n  },\n  {", b"}, {", b"},{")
@@ -144,7 +144,7 @@ def _decode_slice(decoder, blob: bytes, path: Path, warnings: list) -> list:
 
 def _parse_slices(data: bytes, start: int, end: int, path: Path, warnings: list, typed: bool = True):
     """Yield (events, slice bytes) for each slice of the events array: lists of
-    :class:`~pptrace.events.RawEvent` (``typed``) or of dicts."""
+    :class:`~pptrace.ingest.schema.RawEvent` (``typed``) or of dicts."""
     decoder = msgspec.json.Decoder(list[RawEvent]) if typed else None
     cuts = _cut_points(data, start, end)
     view = memoryview(data)
@@ -182,7 +182,7 @@ def parse_document(path, data: bytes | None = None, whole: bool = False, typed: 
 
     The slices are parsed lazily, one at a time as the caller iterates; a slice that does
     not parse raises orjson.JSONDecodeError from the iteration, and the caller then asks
-    again with ``whole=True`` (see load_rank). Events are :class:`~pptrace.events.RawEvent`
+    again with ``whole=True`` (see load_rank). Events are :class:`~pptrace.ingest.schema.RawEvent`
     structs where typed decoding accepts a slice (``typed=False``: always dicts, the
     straightforward reference), dicts otherwise.
     """
@@ -370,7 +370,7 @@ def _parse_job(path: str, rank: int | None, use_cache: bool):
     ``use_cache`` the table goes to its cache entry (read back when the run's frame is
     assembled), else into compressed Arrow IPC bytes: the caller never holds the full
     pandas frame of a rank beyond this call."""
-    from . import cache
+    from . import store as cache
     from .columnar import StoredTable, to_arrow
 
     try:
@@ -428,10 +428,10 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
     (their footer); the rest are parsed here or in up to ``workers`` processes (default:
     as many as memory allows, see _worker_count), one trace at a time per process. Each
     rank's table stays compact (its cache entry, or compressed Arrow bytes) until
-    :func:`pptrace.columnar.frame_from_tables` assembles the run's frame once.
+    :func:`pptrace.ingest.columnar.frame_from_tables` assembles the run's frame once.
     ``errors`` lists one line per file that could not be loaded (its slot is None).
     """
-    from . import cache
+    from . import store as cache
 
     results: list = [None] * len(jobs)
     errors: list[str] = []

@@ -135,7 +135,7 @@ _SYNCHRONIZING_OPS = frozenset({
 
 def _waits(events: pd.DataFrame) -> pd.DataFrame:
     """Wait ranges with the key of the async collective they complete."""
-    from .events import tags_of
+    from .schema import tags_of
 
     w = events[(events["op"] == "wait").to_numpy()]
     ops = [tags_of(t).get("op") if isinstance(t, str) else None for t in w["tags"].astype(object)]

@@ -1,5 +1,5 @@
 """What one rank is doing, as interval sets: computing, and which dimension's communication
-is in progress. The step partition (breakdown.py) sweeps these.
+is in progress. The step partition (analyzers/partition.py) sweeps these.
 
 Host (CPU/gloo) traces: the thread is *computing* inside ``compute:*`` ranges except where a
 communication range is nested in them (model-mode forward contains its TP all-reduces).
@@ -10,7 +10,7 @@ one of its ranges. GPU traces: non-NCCL kernels (any stream) compute; NCCL colle
 kernels communicate, their dimension read, in this order, from a contract range projected
 around them on the stream (gpu_user_annotation), the pg_desc of their process group
 (distributedInfo.pg_config), the layout group with exactly their ranks; NCCL send/recv
-kernels (by their launching op, nccl_link.py) are pipeline p2p; memcpy/memset are kept
+kernels (by their launching op, ingest/nccl.py) are pipeline p2p; memcpy/memset are kept
 apart, being neither compute nor communication.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ import re
 import numpy as np
 import pandas as pd
 
-from ..events import tags_of
-from ..nccl_link import is_p2p_collective
-from ..projection import gpu_extent
+from .schema import tags_of
+from .nccl import is_p2p_collective
+from .projection import gpu_extent
 from .intervals import Intervals, union
 
 DIMS = ("tp", "cp", "dp", "ep")

@@ -24,10 +24,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..schedules import canonical, has_closed_form
-from .breakdown import pipeline_windows
-from .free_p2p import free_p2p_ends
-from .intervals import Intervals
+from ..whatif.schedules import canonical, has_closed_form
+from .partition import pipeline_windows
+from ..whatif.free_p2p import free_p2p_ends
+from ..ingest.intervals import Intervals
 
 FWD_OPS = ("fwd",)
 BWD_OPS = ("bwd", "bwd_input", "bwd_weight")
@@ -169,7 +169,7 @@ def _recorded_orders(view, p: int) -> list | None:
 def action_orders(view, times: pd.DataFrame, v: int):
     """(orders per pipeline position, placement, where they came from) of a run, or None:
     the order the trainer's integration recorded, else the order the trace shows."""
-    from ..schedules import stage_placement
+    from ..whatif.schedules import stage_placement
 
     p = view.layout.pp
     placement = stage_placement(view.schedule, p, v)
@@ -187,8 +187,8 @@ def action_orders(view, times: pd.DataFrame, v: int):
 def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int):
     """Theory of a schedule without a closed form: its own action order (as recorded by the
     trainer's integration, else as the trace ran it) replayed with free p2p and the run's
-    measured per-stage pass times (simulate.py). -> (step, bubble per stage, source) or None."""
-    from ..simulate import PipelineTimes, action_programs, simulate
+    measured per-stage pass times (whatif/replay.py). -> (step, bubble per stage, source) or None."""
+    from ..whatif.replay import PipelineTimes, action_programs, simulate
 
     found = action_orders(view, times, v)
     if found is None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .nccl_link import is_p2p_collective
+from .nccl import is_p2p_collective
 from .projection import gpu_extent
-from .topology import Layout
+from ..topology import Layout
 
 PAIR_COLUMNS = (
     "kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "bytes",

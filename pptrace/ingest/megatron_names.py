@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 
-from .naming import RangeName
+from ..naming import RangeName
 
 #: P2PCommunicator method -> contract ops, in the order Megatron posts them.
 P2P_OPS = {

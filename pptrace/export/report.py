@@ -9,15 +9,15 @@ import math
 import numpy as np
 import pandas as pd
 
-from .analyzers.activity import DIMS
-from .analyzers.breakdown import PARTS, activities, breakdown_table, partition_run, pipeline_windows
-from .analyzers.collectives import collectives_by_dim, instances
-from .analyzers.gpu import gpu_timeline
-from .analyzers.p2p import link_table, match_pairs
-from .analyzers.pipeline import bubble_split, microbatch_times, pipeline_stages
-from .analyzers.runview import RunView, view_of
-from .analyzers.stragglers import find_stragglers
-from .naming import KNOWN_KINDS
+from ..ingest.activity import DIMS
+from ..analyzers.partition import PARTS, activities, breakdown_table, partition_run, pipeline_windows
+from ..analyzers.collectives import collectives_by_dim, instances
+from ..analyzers.gpu_timeline import gpu_timeline
+from ..analyzers.p2p import link_table, match_pairs
+from ..analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
+from ..ingest.runview import RunView, view_of
+from ..analyzers.stragglers import find_stragglers
+from ..naming import KNOWN_KINDS
 
 SCHEMA = "pptrace.analysis/1"
 #: an alignment bound above this share of the mean step time makes cross-rank numbers shaky.
@@ -182,7 +182,7 @@ def _microbatch_rows(view: RunView, ranks) -> list[dict]:
 
 
 def build_report(run, steps=None, ranks=None) -> dict:
-    """The contract-4 document for a loaded run (``pptrace.run.Run`` or a RunView).
+    """The contract-4 document for a loaded run (``pptrace.ingest.run.Run`` or a RunView).
     ``steps``/``ranks`` select what is reported; the pipeline window still spans every
     loaded rank, because a stage's bubble is defined against all stages."""
     view, warnings = _select(view_of(run), steps, ranks)

@@ -1,0 +1,1 @@
+"""Outputs: the report (JSON document, terminal tables), the merged Perfetto trace, the HTA cross-check."""

@@ -1,0 +1,1 @@
+"""Schedule tables, the replay engine and what-if predictions."""
