@@ -14,13 +14,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from pptrace.topology import Layout
+from pptrace import vocab
 
 from .blocks import PLOT_WIDTH_PX, block_traces, fitting_labels, label_font_px
-from .timeline import Timeline
+from .timeline import PIPELINE_PHASES, Timeline
 
-PARTS = ("compute", "pp_bubble", "pp_transfer", "tp_exposed", "cp_exposed", "dp_exposed",
-         "ep_exposed", "other")
-DIMS = ("tp", "cp", "dp", "ep")
+# Stacked bars read best with the pipeline's own parts next to compute.
+_LEADING = ("compute", "pp_bubble", "pp_transfer")
+PARTS = (*_LEADING, *(p for p in vocab.PARTS if p not in _LEADING))
 PART_COLORS = {
     "compute": "#4C78A8", "pp_bubble": "#BDBDBD", "pp_transfer": "#E45756",
     "tp_exposed": "#EECA3B", "cp_exposed": "#FF9DA6", "dp_exposed": "#9D755D",
@@ -130,14 +131,18 @@ def _label_trace(labelled, y_of: dict, step: int, px_row: float, span_ms: float)
 
 def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Figure:
     """One lane group per rank (stages top to bottom): compute row with F/B/W blocks, p2p row
-    (recv above, send below), comm row; grey = compute row idle inside the pipeline window."""
-    if not tl.steps or tl.blocks.empty:
+    (recv above, send below), comm row; grey = the step partition's pp_bubble of that rank,
+    dotted lines = the pipeline window the analysis used."""
+    if not tl.steps:
+        return _empty(title, "no profiled step: no ProfilerStep#N range on the ranks' main threads")
+    if tl.blocks.empty:
         return _empty(title, "no pipeline, communication or compute ranges in the profiled steps")
     y_of = {lane.rank: lane.y for lane in tl.lanes}
     lane_label = {lane.rank: lane.label for lane in tl.lanes}
     n_rows = max(lane.y for lane in tl.lanes) + 3
     px_row = max(7.0, min(22.0, 1500.0 / n_rows))
     row_offset = {"compute": (0.0, 0.8), "p2p": (1.0, 0.32), "comm": (2.0, 0.6)}
+    y_range = [max(lane.y for lane in tl.lanes) + 2.5, -0.5]
     fig = go.Figure()
     step_of_trace = []
 
@@ -149,15 +154,23 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
     for step in tl.steps:
         idle = tl.idle[tl.idle["step"] == step]
         blocks = tl.blocks[tl.blocks["step"] == step]
-        span = float(blocks["end_ms"].max() - min(0.0, float(blocks["start_ms"].min())))
+        span = (float(blocks["end_ms"].max() - min(0.0, float(blocks["start_ms"].min())))
+                if len(blocks) else tl.step_spans_ms[step][1])
         px_per_ms = PLOT_WIDTH_PX / max(span, 1e-9)
+        if step in tl.pipeline_ms:
+            lo, hi = tl.pipeline_ms[step]
+            add(go.Scatter(x=[lo, lo, None, hi, hi], y=[y_range[0], y_range[1], None, y_range[0], y_range[1]],
+                           mode="lines", line=dict(color="#555", width=1, dash="dot"),
+                           name="pipeline window", hoverinfo="skip",
+                           meta={"step": step, "phase": "pipeline_window"}),
+                step=step)
         if not idle.empty:
-            text = [f"idle (no compute in the pipeline window)<br>{esc(lane_label[r])}<br>"
+            text = [f"pp_bubble (step partition)<br>{esc(lane_label.get(r, f'rank {r}'))}<br>"
                     f"{a:.3f} ms + {1000 * (b - a):.3f} µs"
                     for r, a, b in zip(idle["rank"], idle["start_ms"], idle["end_ms"])]
             add(*block_traces(idle["start_ms"].to_numpy(), idle["end_ms"].to_numpy(),
                                idle["rank"].map(y_of).to_numpy(dtype=float), 0.8, text,
-                               name="idle (bubble)", color="#9E9E9E", fill=IDLE_COLOR,
+                               name="idle: pp_bubble", color="#9E9E9E", fill=IDLE_COLOR,
                                meta={"step": step, "phase": "idle"}, px_per_unit=px_per_ms),
                 step=step)
         for phase, pb in blocks.groupby("phase", sort=False):
@@ -186,7 +199,6 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
                    line=dict(color="#555", width=1))
               for a, b in zip(tl.lanes, tl.lanes[1:]) if a.stage != b.stage]
     plot_px = n_rows * px_row
-    y_range = [max(lane.y for lane in tl.lanes) + 2.5, -0.5]
     height = int(plot_px + 170)
     fig.update_layout(
         title=title, height=height, hovermode="closest", dragmode="zoom", plot_bgcolor="white",
@@ -227,20 +239,19 @@ def _ranks_in_stage_order(report: dict) -> list[dict]:
 
 
 def partition_figure(report: dict) -> go.Figure:
-    """Stacked bars per rank: the step time partition (mean over profiled steps, ms)."""
-    ranks = _ranks_in_stage_order(report)
+    """Stacked bars per rank: the report's step time partition (its mean over profiled steps, ms)."""
+    ranks = [r for r in _ranks_in_stage_order(report) if r.get("mean")]
     if not ranks:
         return _empty("Step partition per rank", "the report has no per-rank steps")
     labels = [esc(rank_label(report, r["rank"])) for r in ranks]
     fig = go.Figure()
     for part in PARTS:
-        ms = [1000 * _mean(s.get("breakdown_s", {}).get(part) for s in r.get("steps", []))
-              for r in ranks]
+        ms = [1000 * float(r["mean"]["breakdown_s"].get(part) or 0) for r in ranks]
         if not any(ms):
             continue
         fig.add_trace(go.Bar(x=labels, y=ms, name=part, marker_color=PART_COLORS[part],
                              hovertemplate=f"{part}: %{{y:.3f}} ms<extra>%{{x}}</extra>"))
-    step_ms = [1000 * _mean(s.get("time_s") for s in r.get("steps", [])) for r in ranks]
+    step_ms = [1000 * float(r["mean"]["time_s"]) for r in ranks]
     fig.add_trace(go.Scatter(x=labels, y=step_ms, mode="markers", name="step time",
                              marker=dict(symbol="line-ew-open", size=24, color="black"),
                              hovertemplate="step time %{y:.3f} ms<extra>%{x}</extra>"))
@@ -268,13 +279,14 @@ def bubble_figure(report: dict) -> go.Figure:
     bubble_ms = [1000 * float(s.get("bubble_s") or 0) for s in stages]
     theory_bar = go.Bar(x=x, y=theory, name="theory (from measured t_f, t_b)", marker_color="#4C78A8",
                         offsetgroup="theory", hovertemplate="theory %{y:.2f}%<extra>%{x}</extra>")
-    if all(s.get("bubble_latency_s") is not None and s.get("step_s") for s in stages):
+    if all(s.get("bubble_latency_s") is not None and s.get("bubble_schedule_s") is not None
+           and s.get("step_s") for s in stages):
         latency_ms = [1000 * float(s["bubble_latency_s"]) for s in stages]
         latency = [100 * float(s["bubble_latency_s"]) / float(s["step_s"]) for s in stages]
-        schedule = [m - lat for m, lat in zip(measured, latency)]
+        schedule = [100 * float(s["bubble_schedule_s"]) / float(s["step_s"]) for s in stages]
         bars = [
             go.Bar(x=x, y=schedule, name="measured: schedule", marker_color=PART_COLORS["pp_bubble"],
-                   offsetgroup="measured", customdata=[b - lat for b, lat in zip(bubble_ms, latency_ms)],
+                   offsetgroup="measured", customdata=[1000 * float(s["bubble_schedule_s"]) for s in stages],
                    hovertemplate="caused by the schedule %{y:.2f}% (%{customdata:.3f} ms)<extra>%{x}</extra>"),
             go.Bar(x=x, y=latency, base=schedule, name="measured: p2p latency + host gaps",
                    marker_color="#F2CF5B", offsetgroup="measured", customdata=latency_ms,
@@ -298,28 +310,25 @@ def bubble_figure(report: dict) -> go.Figure:
 
 
 def comm_figure(report: dict) -> go.Figure:
-    """Exposed vs hidden communication per dimension (mean per rank per step, ms)."""
-    ranks = report.get("ranks") or []
-    steps = [s for r in ranks for s in r.get("steps", [])]
-    if not steps:
+    """Exposed vs hidden communication per dimension as the report's collectives rows give it
+    (mean per rank per step, ms), and the pipeline's p2p transfer (pp_transfer, the ranks'
+    reported means averaged)."""
+    rows = [r for r in _collective_rows(report)
+            if r.get("exposed_s") is not None or r.get("hidden_s") is not None]
+    means = [r["mean"] for r in report.get("ranks") or [] if r.get("mean")]
+    if not rows and not means:
         return _empty("Communication exposed vs hidden", "the report has no per-rank steps")
-    n_ranks = max(len(ranks), 1)
-
-    def per_rank_step(values) -> float:  # sum over ranks of the per-step mean, / ranks
-        return 1000 * sum(_mean(values(r)) for r in ranks) / n_ranks
-
-    dims = [*DIMS]
-    exposed = [per_rank_step(lambda r, d=d: [s.get("breakdown_s", {}).get(f"{d}_exposed")
-                                             for s in r.get("steps", [])]) for d in dims]
-    hidden = [per_rank_step(lambda r, d=d: [(s.get("hidden_s") or {}).get(d)
-                                            for s in r.get("steps", [])]) for d in dims]
-    pp_transfer = per_rank_step(lambda r: [s.get("breakdown_s", {}).get("pp_transfer")
-                                           for s in r.get("steps", [])])
-    x = [*dims, "pp (transfer)"]
+    x = [esc(r.get("dim", r.get("kind"))) for r in rows]
+    exposed = [1000 * float(r.get("exposed_s") or 0) for r in rows]
+    hidden = [1000 * float(r.get("hidden_s") or 0) for r in rows]
+    if means:
+        x.append("pp (transfer)")
+        exposed.append(1000 * _mean(m["breakdown_s"].get("pp_transfer") for m in means))
+        hidden.append(0.0)
     fig = go.Figure([
-        go.Bar(x=x, y=[*exposed, pp_transfer], name="exposed (no compute running)",
+        go.Bar(x=x, y=exposed, name="exposed (no compute running)",
                marker_color="#E45756", hovertemplate="exposed %{y:.3f} ms<extra>%{x}</extra>"),
-        go.Bar(x=x, y=[*hidden, 0.0], name="hidden under compute", marker_color="#54A24B",
+        go.Bar(x=x, y=hidden, name="hidden under compute", marker_color="#54A24B",
                hovertemplate="hidden %{y:.3f} ms<extra>%{x}</extra>"),
     ])
     fig.update_layout(barmode="group", title="Communication: exposed vs hidden per dimension",
@@ -426,15 +435,18 @@ def straggler_figure(report: dict) -> go.Figure:
 
 
 # -- measured vs replayed (what-if) -------------------------------------------------------------
-_MEASURED_PHASE = {"fwd": "F", "bwd": "B", "bwd_input": "B", "bwd_weight": "W"}
 
 
-def replay_figure(report: dict, whatif_result: dict) -> go.Figure:
+def replay_figure(report: dict, whatif_result: dict | None, *, why_none: str | None = None) -> go.Figure:
     """Each stage's F/B/W passes as measured (first profiled step, first rank of the stage)
     above the same schedule replayed by the what-if simulator from the run's measured times:
     where they differ, something the simulator does not model (contention, a slow link) cost
-    time. Both lanes start at 0 = the step's pipeline window start."""
+    time. Both lanes start at 0 = the step's pipeline window start. Without a result, the
+    figure says why (``why_none``)."""
     title = "Measured vs replayed schedule"
+    if whatif_result is None:
+        return _empty(title, f"no what-if replay: {why_none}" if why_none
+                      else "the what-if replay was not given to this page (pptrace dashboard computes it)")
     rows = (report.get("pipeline") or {}).get("microbatch_times") or []
     sim = ((whatif_result or {}).get("predicted") or {}).get("timeline") or {}
     if not rows or not sim.get("rows"):
@@ -450,7 +462,7 @@ def replay_figure(report: dict, whatif_result: dict) -> go.Figure:
     lane = {}  # (source, stage) -> y; measured lane above its replay
     for i, stage in enumerate(stages):
         lane[("measured", stage)], lane[("replayed", stage)] = 2 * i, 2 * i + 1
-    blocks = [(("measured", r["stage"]), _MEASURED_PHASE.get(r["op"], "compute"), r["mb"],
+    blocks = [(("measured", r["stage"]), PIPELINE_PHASES.get(r["op"], "compute"), r["mb"],
                r["start_s"], r["start_s"] + r["dur_s"]) for r in measured]
     blocks += [(("replayed", r["stage"]), r["kind"], r["mb"], r["start_s"], r["end_s"]) for r in simulated]
     fig = go.Figure()

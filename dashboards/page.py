@@ -17,6 +17,8 @@ import numpy as np
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from pptrace.vocab import LAYOUT_DIMS
+
 from .blocks import LABEL_MIN_FONT_PX, MAX_LABELS_IN_VIEW
 from .figures import replay_figure, report_figures, timeline_figure
 from .timeline import build_timeline
@@ -25,8 +27,9 @@ SECTIONS = (  # (figure key, heading, what to read in it)
     ("timeline", "Pipeline timeline",
      "One lane group per rank, pipeline stages top to bottom. F/B/W blocks are labelled by "
      "microbatch (.chunk when interleaved) where the label fits: zoom in on a large run. "
-     "Grey = no compute inside the pipeline window. Drag to zoom, double-click to reset, "
-     "buttons switch steps."),
+     "Grey = the step partition's pp_bubble of that rank (the report's number, interval by "
+     "interval); dotted lines = the pipeline window of the analysis. Drag to zoom, "
+     "double-click to reset, buttons switch steps."),
     ("replay", "Measured vs replayed schedule",
      "The what-if simulator replays this run's schedule from its measured pass times and p2p "
      "latencies (`pptrace whatif`); a gap between the two lanes is time the model does not explain."),
@@ -55,7 +58,7 @@ h1{font-size:20px;margin:6px 0} h2{font-size:17px;margin:28px 0 2px}
 def _header(run, report: dict) -> str:
     info = report.get("run") or {}
     layout = info.get("layout") or {}
-    layout_text = " ".join(f"{d}={layout[d]}" for d in ("tp", "cp", "pp", "dp") if d in layout)
+    layout_text = " ".join(f"{d}={layout[d]}" for d in LAYOUT_DIMS if d in layout)
     if layout.get("order"):
         layout_text += f" (order {layout['order']})"
     facts = [
@@ -84,17 +87,21 @@ def _header(run, report: dict) -> str:
             f"{warn_html}</header>")
 
 
-def build_figures(run, report: dict) -> dict:
+def build_figures(run, report: dict, *, partitions=None, whatif_result: dict | None = None,
+                  whatif_note: str | None = None) -> dict:
+    """The page's figures, drawn from what the caller computed: the contract-4 ``report``,
+    the StepPartitions it was built from (``partitions``: the timeline's grey is their
+    pp_bubble) and the what-if result of the run (``whatif_result``; when there is none,
+    ``whatif_note`` says why). Nothing is analysed here: the windows are the Run's own."""
     steps = (report.get("run") or {}).get("steps") or None
-    tl = build_timeline(run.events, run.layout, steps=steps)
-    figures = {"timeline": timeline_figure(tl)}
+    tl = build_timeline(run.events, run.layout, run.step_windows, run.pipeline_windows,
+                        partitions or (), steps=steps)
+    timeline = timeline_figure(tl)
+    if partitions is None:  # a caller's omission must not look like a run without bubble
+        timeline.update_layout(title="Pipeline timeline (no step partition given: pp_bubble not drawn)")
+    figures = {"timeline": timeline}
     if run.layout.pp > 1:
-        from pptrace.whatif.predict import whatif
-
-        try:
-            figures["replay"] = replay_figure(report, whatif(run))
-        except ValueError:  # a run the simulator cannot replay (no pipeline passes traced)
-            pass
+        figures["replay"] = replay_figure(report, whatif_result, why_none=whatif_note)
     figures.update(report_figures(report))
     return figures
 
@@ -228,11 +235,14 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
     return paths
 
 
-def write_dashboard(run, report: dict, out_path, *, png_dir=None) -> Path:
-    """Write the page for ``run`` (a :class:`pptrace.ingest.run.Run`) and its contract-4 ``report``;
-    with ``png_dir``, also one PNG per figure. Returns the HTML path."""
+def write_dashboard(run, report: dict, out_path, *, partitions=None, whatif_result: dict | None = None,
+                    whatif_note: str | None = None, png_dir=None) -> Path:
+    """Write the page for ``run`` (a :class:`pptrace.ingest.run.Run`), its contract-4 ``report``
+    and the results beside it (see :func:`build_figures`); with ``png_dir``, also one PNG per
+    figure. Returns the HTML path."""
     out_path = Path(out_path)
-    figures = build_figures(run, report)
+    figures = build_figures(run, report, partitions=partitions, whatif_result=whatif_result,
+                            whatif_note=whatif_note)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(render_html(run, report, figures), encoding="utf-8")
     if png_dir is not None:

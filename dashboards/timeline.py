@@ -1,8 +1,10 @@
 """Per-rank timeline lanes and blocks for the pipeline view, derived from ``Run.events``.
 
 This is display geometry only: which range goes on which row, where, in what colour group.
-Nothing here attributes time (that is the analyzers' job); the grey "idle" segments are simply the
-gaps in a rank's compute row inside the step's pipeline window, drawn so that bubbles are visible.
+Nothing here attributes time. The windows and the grey idle are the analysis' own: each
+step's x origin is the earliest of the ranks' step windows (``Run.step_windows``, the ones
+the partition covers), and the idle of a (rank, step) is exactly its partition's
+``pp_bubble`` intervals, so the page and the report cannot disagree about where the bubble is.
 """
 from __future__ import annotations
 
@@ -11,10 +13,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-#: compute ops -> the phase letter of the Megatron / Zero Bubble pipeline diagrams
-PIPELINE_PHASES = {"fwd": "F", "bwd": "B", "bwd_input": "B", "bwd_weight": "W"}
+from pptrace.ingest.projection import gpu_extent
+from pptrace.ingest.schema import COMM_CATEGORIES
+from pptrace.vocab import ACTION_OF, COMM_DIMS
+
+#: compute ops -> the phase letter of the Megatron / Zero Bubble pipeline diagrams, which draw
+#: a split backward's input-gradient half as B
+PIPELINE_PHASES = {op: "B" if action == "I" else action for op, action in ACTION_OF.items()}
 ROWS = ("compute", "p2p", "comm")
-_COMM_CATEGORIES = {"comm:tp": "tp", "comm:cp": "cp", "comm:dp": "dp", "comm:ep": "ep", "wait": "wait"}
+_COMM_CATEGORIES = {**dict(zip(COMM_CATEGORIES, COMM_DIMS)), "wait": "wait"}
 BLOCK_COLUMNS = (
     "step", "rank", "row", "phase", "start_ms", "end_ms", "dur_ns", "name", "mb", "chunk", "peer",
     "bytes", "merged",
@@ -34,12 +41,13 @@ class Lane:
 @dataclass
 class Timeline:
     blocks: pd.DataFrame  # BLOCK_COLUMNS, times in ms since the step's start
-    idle: pd.DataFrame  # step, rank, start_ms, end_ms: compute-row gaps inside the pipeline window
+    idle: pd.DataFrame  # step, rank, start_ms, end_ms: the step partition's pp_bubble intervals
     lanes: list[Lane]
     steps: list[int]
     has_comm: bool
     merged_blocks: int = 0  # blocks folded into neighbours by decimation (0 = every op drawn)
     step_spans_ms: dict = field(default_factory=dict)  # step -> (0, end of that step in ms)
+    pipeline_ms: dict = field(default_factory=dict)  # step -> the analysis' pipeline window, ms
 
     def __post_init__(self):
         missing = set(BLOCK_COLUMNS) - set(self.blocks.columns)
@@ -79,15 +87,6 @@ def _kernel_fallback(events: pd.DataFrame) -> pd.DataFrame:
     return kernels
 
 
-def step_origins(events: pd.DataFrame) -> dict[int, tuple[int, int]]:
-    """step -> (start_ns, end_ns) over all ranks, from the ProfilerStep#N ranges (aligned clocks)."""
-    marks = events[(events["category"] == "step") & (events["step"] >= 0)]
-    if marks.empty:  # no ProfilerStep ranges: the step column still groups the events
-        marks = events[events["step"] >= 0]
-    spans = marks.groupby("step")[["start_ns", "end_ns"]].agg({"start_ns": "min", "end_ns": "max"})
-    return {int(s): (int(r.start_ns), int(r.end_ns)) for s, r in spans.iterrows()}
-
-
 def lanes_for(layout, ranks) -> list[Lane]:
     """Ranks grouped by pipeline stage (pp coordinate), stage 0 on top; a small gap between stages."""
     ordered = sorted(ranks, key=lambda r: (layout.coords(r).pp, r))
@@ -100,31 +99,6 @@ def lanes_for(layout, ranks) -> list[Lane]:
         y += len(ROWS)
         previous_stage = stage
     return lanes
-
-
-def _idle_gaps(blocks: pd.DataFrame) -> pd.DataFrame:
-    """Gaps in each rank's compute row inside the pipeline window (first to last pipeline op of
-    the step across all ranks)."""
-    rows = []
-    for step, sb in blocks.groupby("step", sort=True):
-        pipeline = sb[sb["phase"].isin(["F", "B", "W", "send", "recv", "p2p"])]
-        if pipeline.empty:
-            continue
-        lo, hi = pipeline["start_ms"].min(), pipeline["end_ms"].max()
-        compute = sb[sb["row"] == "compute"]
-        for rank in sb["rank"].unique():
-            mine = compute[compute["rank"] == rank].sort_values("start_ms")
-            cursor = lo
-            for start, end in zip(mine["start_ms"].to_numpy(), mine["end_ms"].to_numpy()):
-                if start > cursor:
-                    rows.append((step, rank, cursor, min(start, hi)))
-                cursor = max(cursor, end)
-                if cursor >= hi:
-                    break
-            if cursor < hi:
-                rows.append((step, rank, cursor, hi))
-    idle = pd.DataFrame(rows, columns=["step", "rank", "start_ms", "end_ms"])
-    return idle[idle["end_ms"] > idle["start_ms"]].reset_index(drop=True)
 
 
 def decimate(blocks: pd.DataFrame, max_blocks: int) -> tuple[pd.DataFrame, int]:
@@ -158,16 +132,52 @@ def _merge_close(blocks: pd.DataFrame, gap: float) -> pd.DataFrame:
     return agg.reset_index(drop=True)
 
 
-def build_timeline(events: pd.DataFrame, layout, steps=None, *, max_blocks: int = 60000) -> Timeline:
-    """Blocks per (step, rank, row) with times in ms since that step's start on aligned clocks."""
-    origins = step_origins(events)
-    wanted = sorted(origins) if steps is None else [s for s in sorted(steps) if s in origins]
+def _origins(step_windows: dict) -> dict[int, tuple[int, int]]:
+    """step -> (earliest start, latest end) of that step's windows over the ranks: one x
+    origin per step, so that every rank's lane reads on the same aligned clock."""
+    out = {}
+    for (_, step), (start, end) in step_windows.items():
+        lo, hi = out.get(step, (start, end))
+        out[step] = (min(lo, start), max(hi, end))
+    return out
+
+
+def _bubble_intervals(partitions, origins: dict) -> pd.DataFrame:
+    """The partition's pp_bubble of every (rank, step), in ms since the step's origin."""
+    mine = [(p, p.parts["pp_bubble"]) for p in partitions if p.step in origins]
+    counts = [len(bubble) for _, bubble in mine]
+    origin = np.repeat(np.array([origins[p.step][0] for p, _ in mine], dtype=np.int64), counts)
+    starts = np.concatenate([np.zeros(0, np.int64), *(bubble.starts for _, bubble in mine)])
+    ends = np.concatenate([np.zeros(0, np.int64), *(bubble.ends for _, bubble in mine)])
+    return pd.DataFrame({
+        "step": np.repeat(np.array([p.step for p, _ in mine], dtype=np.int64), counts),
+        "rank": np.repeat(np.array([p.rank for p, _ in mine], dtype=np.int64), counts),
+        # subtract in int64 first: epoch ns do not fit a float64 exactly
+        "start_ms": (starts - origin) / 1e6, "end_ms": (ends - origin) / 1e6,
+    })
+
+
+def build_timeline(events: pd.DataFrame, layout, step_windows: dict, pipeline_windows=None,
+                   partitions=(), *, steps=None, max_blocks: int = 60000) -> Timeline:
+    """Blocks per (step, rank, row) with times in ms since that step's start on aligned clocks.
+
+    The windows are the analysis' own (``Run.step_windows``: (rank, step) -> (start_ns,
+    end_ns); ``Run.pipeline_windows``: step -> (start_ns, end_ns)); ``partitions`` are the
+    StepPartitions the report was built from, whose pp_bubble is the grey idle."""
+    origins = _origins(step_windows)
+    wanted = sorted(origins) if steps is None else [s for s in sorted(set(steps)) if s in origins]
+    origins = {s: origins[s] for s in wanted}
     ev = events[events["step"].isin(wanted)]
     contract = ev[ev["category"].isin(["compute", "p2p", *_COMM_CATEGORIES])]
     if "gpu_annotation" in contract.columns:  # GPU projections duplicate the host ranges
         contract = contract[~contract["gpu_annotation"].astype(bool)]
     contract = contract.copy()
     contract["phase"], contract["row"] = _phase_and_row(contract)
+    # GPU traces: draw a range where its work ran, as the partition and the pipeline window
+    # see it, not where the host launched it
+    start, end, projected = gpu_extent(events, contract)
+    contract = contract.assign(start_ns=start, end_ns=end,
+                               dur_ns=np.where(projected, end - start, contract["dur_ns"]))
     picked = contract if not contract.empty else _kernel_fallback(ev)
 
     start0 = picked["step"].map({s: origins[s][0] for s in wanted}).astype("int64")
@@ -187,12 +197,14 @@ def build_timeline(events: pd.DataFrame, layout, steps=None, *, max_blocks: int 
         "bytes": picked["bytes"].to_numpy(dtype=float, na_value=np.nan),
         "merged": np.ones(len(picked), dtype=np.int64),
     })
-    idle = _idle_gaps(blocks)
     blocks, merged = decimate(blocks, max_blocks)
     ranks = sorted(int(r) for r in events["rank"].unique())
-    spans = {s: (0.0, (origins[s][1] - origins[s][0]) / 1e6) for s in wanted}
+    pipes = {s: ((w[0] - origins[s][0]) / 1e6, (w[1] - origins[s][0]) / 1e6)
+             for s, w in (pipeline_windows or {}).items() if s in origins}
     return Timeline(
-        blocks=blocks.reset_index(drop=True), idle=idle, lanes=lanes_for(layout, ranks),
-        steps=wanted, has_comm=bool((blocks["row"] == "comm").any()), merged_blocks=merged,
-        step_spans_ms=spans,
+        blocks=blocks.reset_index(drop=True),
+        idle=_bubble_intervals(partitions, origins),
+        lanes=lanes_for(layout, ranks), steps=wanted, has_comm=bool((blocks["row"] == "comm").any()),
+        merged_blocks=merged, step_spans_ms={s: (0.0, (hi - lo) / 1e6) for s, (lo, hi) in origins.items()},
+        pipeline_ms=pipes,
     )

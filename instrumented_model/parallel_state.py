@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pptrace.topology import Coords, Layout
+from pptrace.vocab import LAYOUT_DIMS
 
 CP_ALGOS = ("ring", "ulysses")
 
@@ -194,7 +195,7 @@ def initialize_model_parallel(
         cp_algo=cp_algo,
         cp_overlap=cp_overlap,
     )
-    for dim in ("tp", "cp", "pp", "dp"):
+    for dim in LAYOUT_DIMS:
         setattr(state, f"{dim}_group", _create_groups(layout.groups(dim), rank, dim))
     dp_cp = sorted({tuple(dp_cp_group_ranks(layout, r)) for r in range(world)})
     state.dp_cp_group = _create_groups([list(g) for g in dp_cp], rank, "dp_cp")

@@ -1,5 +1,6 @@
 """Pipeline schedules with Megatron's names: no pipelining, GPipe, 1F1B, ZB-H1; the interleaved
-schedule lives in ``schedules_interleaved.py``.
+schedule lives in ``schedules_interleaved.py`` (which needs nothing from here: a schedule gets
+its ``PipelineRun`` as an argument).
 
 A schedule only decides *order* and *communication*; the work itself is a ``StageCompute``
 (the real model chunks, or sleeps) so the same schedule code runs in both modes. Every pass is
@@ -18,7 +19,8 @@ from pptrace import region
 
 from . import pp_communications as p2p
 from .pp_communications import Message, P2PContext
-from pptrace.whatif.schedules import num_warmup_microbatches, schedule_table
+from .schedules_interleaved import forward_backward_pipelining_with_interleaving
+from pptrace.whatif.schedules import num_warmup_microbatches, ws_after_backward
 
 
 class StageCompute(Protocol):
@@ -108,14 +110,7 @@ def forward_backward_pipelining_without_interleaving(run: PipelineRun, zero_bubb
     ctx, m, p, r = run.comm, run.num_microbatches, run.pp_size, run.pp_rank
     w = num_warmup_microbatches("1f1b", p, r, m)
     remaining = m - w
-    # The W's ZB-H1 runs right after each B (the deferred ones and, after the last B, the
-    # trailing ones), read from the table so that execution follows it.
-    w_after_b = {}
-    if zero_bubble:
-        table = schedule_table("zb-h1", p, r, m)
-        for i, (op, mb, _) in enumerate(table):
-            if op == "B":
-                w_after_b[mb] = [j for _, j, _ in _following_ws(table, i)]
+    w_after_b = ws_after_backward(p, r, m) if zero_bubble else {}
 
     def backward_and_send(mb: int, grad, recv_fwd_mb: Optional[int]):
         """B of ``mb`` then its send upstream, combined with the next forward's recv as
@@ -157,16 +152,6 @@ def forward_backward_pipelining_without_interleaving(run: PipelineRun, zero_bubb
         backward_and_send(mb, grad, None)
 
 
-def _following_ws(table, index):
-    """The W entries that directly follow table[index]."""
-    out = []
-    for entry in table[index + 1:]:
-        if entry[0] != "W":
-            break
-        out.append(entry)
-    return out
-
-
 def forward_backward_zero_bubble_h1(run: PipelineRun) -> None:
     forward_backward_pipelining_without_interleaving(run, zero_bubble=True)
 
@@ -174,8 +159,6 @@ def forward_backward_zero_bubble_h1(run: PipelineRun) -> None:
 def get_forward_backward_func(schedule: str, pp: int, vpp: int = 1):
     """The schedule function for a run, as Megatron's ``get_forward_backward_func``."""
     if schedule == "interleaved":
-        from .schedules_interleaved import forward_backward_pipelining_with_interleaving
-
         return forward_backward_pipelining_with_interleaving
     if pp == 1 and schedule in ("1f1b", "gpipe"):
         return forward_backward_no_pipelining

@@ -152,6 +152,9 @@ def _communicate(ctx: P2PContext, **directions):
 
 # -- Megatron's names ------------------------------------------------------------------
 # Each takes the Message(s) describing the microbatch/chunk of every direction involved.
+# The interleaved schedule's combined ops (send_forward_recv_forward, the four-way
+# send_forward_backward_recv_forward_backward, ...) are ``post(...).wait()`` of the
+# directions its program names (schedules_interleaved.py).
 
 
 def recv_forward(ctx: P2PContext, msg: Message):
@@ -176,24 +179,3 @@ def send_forward_recv_backward(ctx: P2PContext, send: Message, recv: Message):
 
 def send_backward_recv_forward(ctx: P2PContext, send: Message, recv: Message):
     return _communicate(ctx, send_prev=send, recv_prev=recv)[0]
-
-
-def send_forward_recv_forward(ctx: P2PContext, send: Optional[Message], recv: Optional[Message]):
-    return _communicate(ctx, send_next=send, recv_prev=recv)[0]
-
-
-def send_backward_recv_backward(ctx: P2PContext, send: Optional[Message], recv: Optional[Message]):
-    return _communicate(ctx, send_prev=send, recv_next=recv)[1]
-
-
-def send_forward_backward_recv_forward_backward(
-    ctx: P2PContext,
-    send_fwd: Optional[Message],
-    send_bwd: Optional[Message],
-    recv_fwd: Optional[Message],
-    recv_bwd: Optional[Message],
-):
-    """The interleaved schedule's steady-state op: returns (input_tensor, output_tensor_grad)."""
-    return _communicate(
-        ctx, send_next=send_fwd, send_prev=send_bwd, recv_prev=recv_fwd, recv_next=recv_bwd
-    )

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import pptrace
 from pptrace import region
+from pptrace.vocab import STEP_END_TAGS
 
 from .pipeline_parallel import PipelineRun, get_forward_backward_func
 from .pp_communications import P2PContext
@@ -86,7 +87,7 @@ def _global_norm_and_loss(chunks, pstate, loss_sum: torch.Tensor, device) -> tup
     contributes_loss = pstate.is_last_stage and coords.tp == 0
     loss = loss_sum.detach().double().to(device) if contributes_loss else torch.zeros((), dtype=torch.float64, device=device)
     buf = torch.stack([sq, loss]).float()
-    with region("dp:all_reduce", what="grad_norm", bytes=buf.numel() * buf.element_size()):
+    with region("dp:all_reduce", **STEP_END_TAGS, bytes=buf.numel() * buf.element_size()):
         dist.all_reduce(buf)
     return math.sqrt(max(buf[0].item(), 0.0)), buf[1].item()
 

@@ -10,8 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from pptrace.instrument import parse_steps
 from pptrace.topology import Layout
-
-from pptrace.whatif.schedules import SCHEDULES
+from pptrace.vocab import DEFAULT_ORDER, LAYOUT_DIMS, SCHEDULES
 
 COMPUTE_MODES = ("model", "sleep")
 CP_ALGOS = ("ring", "ulysses")
@@ -52,7 +51,7 @@ class TrainConfig:
     cp: int = 1
     pp: int = 1
     dp: int = 1
-    order: str = "tp-cp-dp-pp"
+    order: str = DEFAULT_ORDER
     sp: bool = False
     cp_algo: str = "ring"
     cp_overlap: bool = True
@@ -185,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m instrumented_model.train",
         description="Reference Megatron-style trainer (TP/SP, CP, PP, DP) instrumented with pptrace.",
     )
-    for dim in ("tp", "cp", "pp", "dp"):
+    for dim in LAYOUT_DIMS:
         ap.add_argument(f"--{dim}", type=int, default=getattr(d, dim), help=f"{dim} size")
     ap.add_argument("--order", default=d.order, help="rank order, fastest first (Megatron's)")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")

@@ -15,6 +15,7 @@ import click
 
 from . import __version__
 from .errors import TraceError
+from .vocab import SCHEDULES
 
 
 def _one_line_errors(fn):
@@ -186,10 +187,27 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta)
 
             print_comparison(*comparison, _console())
     if html_out:
-        from dashboards import write_dashboard
-
-        write_dashboard(run, report, html_out)
+        _write_page(run, report, html_out)
         _console(stderr=True).print(f"dashboard: {html_out}")
+
+
+def _write_page(run, report: dict, path: Path, png_dir=None) -> Path:
+    """The dashboard of ``run`` beside its ``report``. The page only draws results, so they
+    are gathered here, once: the step partitions the report was built from (the timeline's
+    grey) and the what-if replay, or why there is none."""
+    from dashboards import write_dashboard
+
+    from .analyzers.partition import partition_run
+    from .whatif.predict import whatif as predict
+
+    result, note = None, None
+    if run.layout.pp > 1:
+        try:
+            result = predict(run)
+        except ValueError as exc:  # a run the simulator cannot replay: the page says why
+            note = " ".join(str(exc).split())
+    return write_dashboard(run, report, path, partitions=partition_run(run), whatif_result=result,
+                           whatif_note=note, png_dir=png_dir)
 
 
 @cli.command()
@@ -201,13 +219,11 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta)
 @_one_line_errors
 def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
     """One self-contained interactive HTML page: the pipeline as it ran, breakdowns, overlap, stragglers."""
-    from dashboards import write_dashboard
-
     from .export.report import build_report
 
     run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
     output = output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
-    path = write_dashboard(run, build_report(run), output, png_dir=png_dir)
+    path = _write_page(run, build_report(run), output, png_dir=png_dir)
     click.echo(f"dashboard: {path}")
     if png_dir:
         click.echo(f"figures: {png_dir}")
@@ -232,7 +248,7 @@ def merge(run_dir: Path, steps_text, ranks_text, output):
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb-h1"]),
+@click.option("--schedule", type=click.Choice(SCHEDULES),
               help="Replay under this schedule (default: as measured).")
 @click.option("--vpp", type=click.IntRange(min=1), help="Virtual chunks per stage for interleaved.")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Number of microbatches.")
@@ -278,13 +294,11 @@ def demo(out: Path, trainer_args):
     if train_main(argv) != 0:
         raise click.ClickException("the reference trainer failed (see the line above)")
 
-    from dashboards import write_dashboard
-
     from .export.report import build_report, print_report
 
     run = _load(out)
     report = build_report(run)
     print_report(report, _console())
     _write_json(report, str(out / "analysis.json"))
-    html = write_dashboard(run, report, out / "report.html")
+    html = _write_page(run, report, out / "report.html")
     click.echo(f"\nanalysis: {out / 'analysis.json'}\ndashboard: {html}")

@@ -8,11 +8,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-#: Kinds the analyses understand; others parse fine and are kept as they are.
-KNOWN_KINDS = ("compute", "tp", "cp", "pp", "dp", "ep")
-#: Kinds that name a parallel dimension's communication.
-COMM_KINDS = ("tp", "cp", "pp", "dp", "ep")
-
 # An op never starts with ':' so that C++ op names like "aten::mm" or "c10d::send" are not
 # mistaken for ranges of kind "aten".
 _HEAD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):([A-Za-z0-9_][A-Za-z0-9_.\-/]*)$")

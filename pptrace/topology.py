@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-DIMS = ("tp", "cp", "pp", "dp")
+from .vocab import DEFAULT_ORDER, LAYOUT_DIMS
 
 
 class Coords(NamedTuple):
@@ -25,16 +25,16 @@ class Layout:
     cp: int = 1
     pp: int = 1
     dp: int = 1
-    order: str = "tp-cp-dp-pp"
+    order: str = DEFAULT_ORDER
 
     def __post_init__(self):
-        for dim in DIMS:
+        for dim in LAYOUT_DIMS:
             size = getattr(self, dim)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"Layout.{dim} must be a positive integer, got {size!r}")
         # Megatron's order strings also name ep; pptrace's dense layout has ep=1, so drop it.
         dims = [d for d in str(self.order).split("-") if d != "ep"]
-        if sorted(dims) != sorted(DIMS):
+        if sorted(dims) != sorted(LAYOUT_DIMS):
             raise ValueError(
                 f"Layout.order {self.order!r} must be a '-'-joined permutation of tp, cp, dp, pp "
                 "(e.g. 'tp-cp-dp-pp')"
@@ -63,8 +63,8 @@ class Layout:
         return self.dp > 1
 
     def size(self, dim: str) -> int:
-        if dim not in DIMS:
-            raise ValueError(f"unknown parallel dimension {dim!r}; expected one of {DIMS}")
+        if dim not in LAYOUT_DIMS:
+            raise ValueError(f"unknown parallel dimension {dim!r}; expected one of {LAYOUT_DIMS}")
         return getattr(self, dim)
 
     def _strides(self) -> dict:
@@ -82,7 +82,7 @@ class Layout:
     def coords(self, rank: int) -> Coords:
         self._check_rank(rank)
         strides = self._strides()
-        return Coords(**{d: (rank // strides[d]) % getattr(self, d) for d in DIMS})
+        return Coords(**{d: (rank // strides[d]) % getattr(self, d) for d in LAYOUT_DIMS})
 
     def rank(self, tp: int = 0, cp: int = 0, pp: int = 0, dp: int = 0) -> int:
         coords = dict(tp=tp, cp=cp, pp=pp, dp=dp)
@@ -90,7 +90,7 @@ class Layout:
             if not 0 <= value < getattr(self, dim):
                 raise ValueError(f"{dim} coordinate {value} outside 0..{getattr(self, dim) - 1}")
         strides = self._strides()
-        return sum(coords[d] * strides[d] for d in DIMS)
+        return sum(coords[d] * strides[d] for d in LAYOUT_DIMS)
 
     # -- groups ---------------------------------------------------------------------------
     def group_ranks(self, dim: str, rank: int) -> list[int]:
@@ -128,7 +128,7 @@ class Layout:
     @classmethod
     def from_dict(cls, data: dict) -> "Layout":
         try:
-            return cls(**{k: data[k] for k in (*DIMS, "order") if k in data})
+            return cls(**{k: data[k] for k in (*LAYOUT_DIMS, "order") if k in data})
         except TypeError as exc:  # non-mapping input
             raise ValueError(f"not a layout: {data!r}") from exc
 

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from pptrace.topology import Layout
+from tracegen import STAGE0, STAGE1, run_from_docs, trace_doc
+
 #: Real GPU traces recorded elsewhere (HTA's test data, MIT; see the README there), copied
 #: from ../shared/fixtures/hta-gpu so the suite does not depend on files beside the checkout.
 FIXTURES = Path(__file__).parent / "data" / "hta-gpu"
@@ -64,3 +67,11 @@ def recorder(tmp_path_factory) -> Path:
     subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib), str(source), "-lpthread"],
                    check=True)
     return lib
+
+
+@pytest.fixture
+def pipeline_view(tmp_path):
+    """The hand-built 2-stage pipeline of tracegen.STAGE0/STAGE1 (every number known)."""
+    layout = Layout(pp=2)
+    return run_from_docs(tmp_path, {0: trace_doc(0, 2, STAGE0, layout=layout), 1: trace_doc(1, 2, STAGE1, layout=layout)},
+                         layout, schedule="1f1b", microbatches=2)

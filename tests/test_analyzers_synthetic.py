@@ -6,54 +6,17 @@ comments, and every part must match to the nanosecond.
 """
 from __future__ import annotations
 
-import gzip
-
-import orjson
 import pandas as pd
 import pytest
 
-from pptrace.analyzers.partition import PARTS, breakdown_table, partition_run
+from pptrace.analyzers.partition import breakdown_table, partition_run
+from pptrace.vocab import PARTS
 from pptrace.ingest.intervals import Intervals, partition, union
 from pptrace.analyzers.p2p import link_table, match_pairs
 from pptrace.analyzers.bubble import balanced_theory_bubble, pipeline_stages, theory_step
-from pptrace.ingest.runview import RunView
 from pptrace.analyzers.stragglers import find_stragglers
-from pptrace.ingest.load import load_rank
 from pptrace.topology import Layout
-
-BASE_NS = 1_700_000_000_000_000_000
-US = 1000  # ns
-
-
-def _trace(rank: int, world: int, ranges: list, workers: list = (), layout: Layout | None = None) -> dict:
-    """ranges: (name, start_us, end_us) on the main thread; workers: the same on a gloo
-    worker thread. ts are relative µs with baseTimeNanoseconds, as Kineto writes them."""
-    pid, worker_tid = 1000 + rank, 5000 + rank
-    events = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": worker_tid,
-               "args": {"name": f"thread {worker_tid} (pt_gloo_runloop)"}}]
-    for tid, items in ((pid, ranges), (worker_tid, workers)):
-        for name, start, end in items:
-            cat = "cpu_op" if name.startswith("c10d::") else "user_annotation"
-            events.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid,
-                           "ts": start, "dur": end - start, "args": {}})
-    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": world},
-           "baseTimeNanoseconds": BASE_NS, "traceEvents": events}
-    if layout is not None:
-        doc["pptrace"] = {"version": 1, "rank": rank, "world_size": world, "layout": layout.to_dict()}
-    return doc
-
-
-def _view(tmp_path, traces: dict, layout: Layout, **kwargs) -> RunView:
-    frames = []
-    for rank, doc in traces.items():
-        path = tmp_path / f"rank{rank}.json.gz"
-        path.write_bytes(gzip.compress(orjson.dumps(doc)))
-        frames.append(load_rank(path, rank)[0])
-    events = pd.concat(frames, ignore_index=True)
-    for column in frames[0].columns:
-        if isinstance(frames[0][column].dtype, pd.CategoricalDtype):
-            events[column] = events[column].astype(str).where(events[column].notna()).astype("category")
-    return RunView.from_events(events, layout, **kwargs)
+from tracegen import US, run_from_docs, trace_doc
 
 
 def _us(table: pd.DataFrame, rank: int, step: int) -> dict:
@@ -88,44 +51,6 @@ def test_partition_priority_and_exact_sum():
     assert {k: v.total for k, v in parts.items()} == {"x": 40, "y": 20, "z": 40, "r": 0}
     parts = partition((0, 100), [("x", union([10], [20]))], rest="r")
     assert parts["r"].total == 90
-
-
-# ------------------------------------------------------------------------------------------
-# scenario 1: a 2-stage pipeline, 2 microbatches, one step [0, 260) µs on both ranks
-# ------------------------------------------------------------------------------------------
-STAGE0 = [
-    ("ProfilerStep#1", 0, 260),
-    ("compute:fwd mb=0", 10, 30),
-    ("pp:send_fwd peer=1 mb=0 bytes=100", 30, 40),   # recv [5,38): transfer 8, then waits 2
-    ("compute:fwd mb=1", 40, 60),
-    ("pp:send_fwd peer=1 mb=1 bytes=100", 60, 62),   # recv posted at 103: all wait (2)
-    ("pp:recv_bwd peer=1 mb=0 bytes=100", 62, 104),  # send [98,103): wait 36, transfer 5, wait 1
-    ("compute:bwd mb=0", 104, 144),
-    ("pp:recv_bwd peer=1 mb=1 bytes=100", 144, 172),  # send [166,170): wait 22, transfer 4, wait 2
-    ("compute:bwd mb=1", 172, 212),
-    ("dp:all_reduce what=grad_norm bytes=4", 212, 230),
-    ("compute:optimizer", 232, 240),
-]
-STAGE1 = [
-    ("ProfilerStep#1", 0, 260),
-    ("pp:recv_fwd peer=0 mb=0 bytes=100", 5, 38),    # send at 30: wait 25, transfer 8
-    ("compute:fwd mb=0", 38, 58),
-    ("compute:bwd mb=0", 58, 98),
-    ("pp:send_bwd peer=0 mb=0 bytes=100", 98, 103),  # recv posted at 62: transfer 5
-    ("pp:recv_fwd peer=0 mb=1 bytes=100", 103, 106),  # send done at 62 (eager): transfer 3
-    ("compute:fwd mb=1", 106, 126),
-    ("compute:bwd mb=1", 126, 166),
-    ("pp:send_bwd peer=0 mb=1 bytes=100", 166, 170),  # recv posted at 144: transfer 4
-    ("dp:all_reduce what=grad_norm bytes=4", 175, 230),  # blocked until stage 0 is done
-    ("compute:optimizer", 232, 240),
-]
-
-
-@pytest.fixture
-def pipeline_view(tmp_path):
-    layout = Layout(pp=2)
-    return _view(tmp_path, {0: _trace(0, 2, STAGE0, layout=layout), 1: _trace(1, 2, STAGE1, layout=layout)},
-                 layout, schedule="1f1b", microbatches=2)
 
 
 def test_pipeline_partition_exact(pipeline_view):
@@ -220,7 +145,7 @@ OVERLAP_WORKER = [
 
 def test_overlap_hidden_exposed_and_worker_attribution(tmp_path):
     layout = Layout(cp=2, dp=2)
-    view = _view(tmp_path, {0: _trace(0, 4, OVERLAP_MAIN, OVERLAP_WORKER, layout)}, layout)
+    view = run_from_docs(tmp_path, {0: trace_doc(0, 4, OVERLAP_MAIN, OVERLAP_WORKER, layout)}, layout)
     table = breakdown_table(partition_run(view))
     # compute: fwd 60 - nested tp 5 - cp ranges 2 - cp wait 5 = 48, + bwd 9 = 57.
     # cp in progress [20,45): under compute [22,40) 18 hidden, 7 exposed.
@@ -249,12 +174,10 @@ def _dp_rank(compute_us: int) -> list:
 
 def test_dp_straggler_named_first(tmp_path):
     layout = Layout(dp=3)
-    traces = {r: _trace(r, 3, _dp_rank(c), layout=layout) for r, c in ((0, 100), (1, 120), (2, 100))}
-    view = _view(tmp_path, traces, layout)
+    traces = {r: trace_doc(r, 3, _dp_rank(c), layout=layout) for r, c in ((0, 100), (1, 120), (2, 100))}
+    view = run_from_docs(tmp_path, traces, layout)
     parts = partition_run(view)
-    from pptrace.analyzers.collectives import instances
-
-    found = find_stragglers(parts, None, instances(view))
+    found = find_stragglers(parts, None, view.collectives)
     top = found.iloc[0]
     assert int(top["rank"]) == 1
     assert set(found["rank"]) == {1}
@@ -275,12 +198,12 @@ def test_recv_wait_excludes_the_receivers_own_compute(tmp_path):
     80 µs. The recv waited only 60..80 µs: 20 µs, not 80."""
     layout = Layout(pp=2)
     traces = {
-        0: _trace(0, 2, [("ProfilerStep#1", 0, 200), ("compute:fwd mb=0", 0, 80),
+        0: trace_doc(0, 2, [("ProfilerStep#1", 0, 200), ("compute:fwd mb=0", 0, 80),
                          ("pp:send_fwd peer=1 mb=0", 80, 95)], layout=layout),
-        1: _trace(1, 2, [("ProfilerStep#1", 0, 200), ("pp:recv_fwd peer=0 mb=0", 0, 90),
+        1: trace_doc(1, 2, [("ProfilerStep#1", 0, 200), ("pp:recv_fwd peer=0 mb=0", 0, 90),
                          ("compute:fwd mb=1", 0, 60)], layout=layout),
     }
-    pairs, unmatched = match_pairs(_view(tmp_path, traces, layout))
+    pairs, unmatched = match_pairs(run_from_docs(tmp_path, traces, layout))
     assert unmatched.empty and len(pairs) == 1
     assert pairs.loc[0, "wait_ns"] == 20 * US
     assert pairs.loc[0, "transfer_ns"] == 10 * US

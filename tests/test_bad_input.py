@@ -104,7 +104,7 @@ def test_missing_rank_is_a_warning(tmp_path):
     run_dir, _ = pipeline_run(tmp_path / "run", pp=4, dp=1, microbatches=2)
     (run_dir / "traces" / "rank2.json.gz").unlink()
     run = load_run(run_dir, use_cache=False)
-    assert run.ranks == [0, 1, 3]
+    assert run.ranks == (0, 1, 3)
     text = " | ".join(run.warnings)
     assert "1 of 4 ranks have no usable trace (ranks [2])" in text
     assert "no matching" in text  # the p2p partners of rank 2 are reported, not dropped
@@ -139,7 +139,7 @@ def test_steps_that_differ_between_ranks(tmp_path):
     b.step(2, 600, 100)
     write_run(tmp_path / "run", [a, b])
     run = load_run(tmp_path / "run", use_cache=False)
-    assert run.steps == [1]
+    assert run.steps == (1,)
     assert any("different steps" in w for w in run.warnings)
 
 
@@ -147,11 +147,11 @@ def test_traces_without_distributed_info(tmp_path):
     t = _trace(0, distributed=False, pptrace_block=False)
     t.write(tmp_path / "one" / "trace.json")
     run = load_run(tmp_path / "one" / "trace.json", use_cache=False)
-    assert run.ranks == [0] and any("assuming rank 0" in w for w in run.warnings)
+    assert run.ranks == (0,) and any("assuming rank 0" in w for w in run.warnings)
     # rank from the file name when the trace has none
     _trace(3, distributed=False, pptrace_block=False).write(tmp_path / "named" / "rank3.json")
     _trace(5, distributed=False, pptrace_block=False).write(tmp_path / "named" / "rank5.json")
-    assert load_run(tmp_path / "named", use_cache=False).ranks == [3, 5]
+    assert load_run(tmp_path / "named", use_cache=False).ranks == (3, 5)
     # several files and no way to tell their ranks
     _trace(0, distributed=False, pptrace_block=False).write(tmp_path / "anon" / "a.json")
     _trace(0, distributed=False, pptrace_block=False).write(tmp_path / "anon" / "b.json")
@@ -176,7 +176,7 @@ def test_unreadable_files(tmp_path):
     # A name that cannot be opened as a file: a dangling link (root can read any mode bits).
     os.symlink(traces / "gone.json.gz", traces / "rank7.json.gz")
     run = load_run(tmp_path / "run", use_cache=False)
-    assert run.ranks == [0, 1] and any("cannot read" in w and "rank7" in w for w in run.warnings)
+    assert run.ranks == (0, 1) and any("cannot read" in w and "rank7" in w for w in run.warnings)
     with pytest.raises(TraceError) as info:
         load_rank(traces / "rank7.json.gz")
     _one_line(info.value, "cannot read", "rank7")
@@ -187,7 +187,7 @@ def test_unreadable_files(tmp_path):
         if readable:
             pytest.skip("running as root: mode 000 files stay readable")
         run = load_run(tmp_path / "run", use_cache=False)
-        assert run.ranks == [0]
+        assert run.ranks == (0,)
     finally:
         os.chmod(path, 0o644)
 

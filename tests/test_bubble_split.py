@@ -18,7 +18,7 @@ from pptrace.analyzers.bubble import balanced_theory_bubble, bubble_split, pipel
 from pptrace.whatif.replay import PipelineTimes, simulate, stage_program
 from pptrace.topology import Layout
 
-from test_analyzers_synthetic import _trace, _view
+from tracegen import run_from_docs, trace_doc
 
 P, M = 4, 8
 T_F, T_B, T_W = 10_000, 20_000, 10_000  # µs
@@ -63,9 +63,9 @@ def _run(tmp_path, schedule: str, v: int, latency_us: int, label: str | None = N
     timeline = simulate(schedule, times, vpp=v, overlap_p2p_comm=overlap)
     end = round(timeline.makespan_s * 1e6) + 10
     layout = Layout(pp=P)
-    traces = {s: _trace(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline, overlap)], layout=layout)
+    traces = {s: trace_doc(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline, overlap)], layout=layout)
               for s in range(P)}
-    view = _view(tmp_path, traces, layout, schedule=label or schedule, microbatches=M, vpp=v)
+    view = run_from_docs(tmp_path, traces, layout, schedule=label or schedule, microbatches=M, vpp=v)
     pairs, unmatched = match_pairs(view)
     assert unmatched.empty
     partitions = partition_run(view)
@@ -147,7 +147,7 @@ def test_whatif_replays_a_schedule_without_a_table_from_its_own_order(tmp_path, 
     end = round(timeline.makespan_s * 1e6)
     layout = Layout(pp=P)
     for s in range(P):
-        doc = _trace(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline)], layout=layout)
+        doc = trace_doc(s, P, [("ProfilerStep#1", 0, end), *_ranges(schedule, s, v, timeline)], layout=layout)
         doc["pptrace"].update(schedule="MyOwnSchedule", vpp=v)
         doc = {"pptrace": doc.pop("pptrace"), **doc}  # where Kineto writes it: before the events
         path = tmp_path / "traces" / f"rank{s}.json.gz"

@@ -1,10 +1,12 @@
 """The cross-rank critical path on synthetic runs with exact timing (tests/tracegen.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from pptrace.analyzers.critical_path import critical_path
+from pptrace.analyzers.critical_path import critical_path, step_bounds
 from pptrace.ingest.run import load_run
 from tracegen import pipeline_run
 
@@ -44,3 +46,21 @@ def test_segments_tile_the_step_without_gaps(gpipe):
 def test_unprofiled_step_is_a_clear_error(gpipe):
     with pytest.raises(ValueError, match="step 7 was not profiled"):
         critical_path(gpipe, 7)
+
+
+def test_step_bounds_say_what_bounded_each_step(gpipe, tmp_path):
+    bounds = step_bounds(gpipe)
+    assert [b["step"] for b in bounds] == [1, 2]
+    for b, step in zip(bounds, (1, 2)):
+        path = critical_path(gpipe, step)
+        assert b["length_s"] == path.length_s and b["stages"] == [0, 1, 2] and b["ranks"] == [0, 1, 2]
+        parts = b["compute_s"] + b["p2p_s"] + b["comm_s"] + b["other_s"]
+        assert parts == pytest.approx(b["length_s"], rel=1e-9)
+        assert b["compute_s"] == pytest.approx((4 + 3 - 1) * (FWD_US + BWD_US) / 1e6, rel=0.01)
+        assert b["summary"].startswith(f"step {step} bound by compute")
+    # no pipeline, nothing to say; a step without its ProfilerStep range is left out
+    out, _ = pipeline_run(tmp_path / "dp", pp=1, dp=2, microbatches=2, steps=(1,))
+    assert step_bounds(load_run(out, progress=False)) == []
+    ev = gpipe.events
+    partial = replace(gpipe, events=ev[~((ev["category"] == "step") & (ev["step"] == 2)).to_numpy()])
+    assert [b["step"] for b in step_bounds(partial)] == [1]

@@ -26,6 +26,8 @@ from dashboards.figures import (
 )
 from dashboards.page import render_html, write_dashboard
 from dashboards.timeline import build_timeline, decimate
+from pptrace.analyzers.partition import partition_run
+from pptrace.export.report import build_report
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 
@@ -96,8 +98,11 @@ def synthetic_report(layout: Layout, steps=(1,), time_s=0.02) -> dict:
             parts["pp_bubble"] = time_s - sum(parts.values())
             rows.append({"step": s, "time_s": time_s, "breakdown_s": parts,
                          "hidden_s": {"tp": 0.0, "cp": 0.0, "dp": 0.0001 * (r + 1), "ep": 0.0}})
+        mean = {"time_s": time_s,
+                "breakdown_s": {k: float(np.mean([row["breakdown_s"][k] for row in rows])) for k in PARTS},
+                "hidden_s": {d: float(np.mean([row["hidden_s"][d] for row in rows])) for d in ("tp", "cp", "dp", "ep")}}
         ranks.append({"rank": r, "coords": layout.coords(r)._asdict(), "clock_offset_us": 0.0,
-                      "steps": rows})
+                      "steps": rows, "mean": mean})
     stages = [{"stage": s, "bubble_s": 0.008, "bubble_fraction": 0.4 - 0.01 * s,
                "theory_bubble_fraction": 0.43, "t_fwd_s": 0.001, "t_bwd_s": 0.002}
               for s in range(layout.pp)]
@@ -110,6 +115,8 @@ def synthetic_report(layout: Layout, steps=(1,), time_s=0.02) -> dict:
         "ranks": ranks,
         "pipeline": {"stages": stages, "bubble_fraction": 0.39, "theory_bubble_fraction": 0.43},
         "p2p": {"pairs": 24, "wait_s": 0.003, "transfer_s": 0.001, "links": links},
+        "collectives": [{"dim": "dp", "count": 1.0, "exposed_s": 0.0002 * np.mean(steps),
+                         "hidden_s": float(np.mean([0.0001 * (r + 1) for r in range(layout.world_size)]))}],
         "stragglers": [{"rank": 2, "metric": "compute", "slowdown": 1.3, "cost_s": 0.004}],
         "warnings": ["rank <b>9</b> missing & more"],
     }
@@ -118,6 +125,12 @@ def synthetic_report(layout: Layout, steps=(1,), time_s=0.02) -> dict:
 @pytest.fixture(scope="module")
 def gpipe_run(tmp_path_factory):
     return load_run(write_gpipe_run(tmp_path_factory.mktemp("gpipe")), use_cache=False)
+
+
+def timeline_of(run):
+    """The timeline as the page draws it: the run's windows, the step partition's pp_bubble."""
+    return build_timeline(run.events, run.layout, run.step_windows, run.pipeline_windows,
+                          partition_run(run))
 
 
 def _lane_of(tl, y: float):
@@ -139,7 +152,7 @@ def _blocks_per_stage(fig, tl, phase):
 
 def test_timeline_blocks_match_the_schedule(gpipe_run):
     p, m, tf, tb, g = 4, 4, 1.0, 2.0, 0.05  # ms
-    tl = build_timeline(gpipe_run.events, gpipe_run.layout)
+    tl = timeline_of(gpipe_run)
     assert tl.steps == [1]
     assert [lane.stage for lane in tl.lanes] == [0, 1, 2, 3]
     assert tl.lanes[2].label == "rank 2 · pp2"
@@ -158,13 +171,16 @@ def test_timeline_blocks_match_the_schedule(gpipe_run):
                     for j in range(m)]
         np.testing.assert_allclose(f["start_ms"], expected, atol=1e-6)
         np.testing.assert_allclose(f["dur_ns"], tf * 1e6, atol=1)
-    # idle inside the pipeline window = the GPipe bubble plus the two p2p hops per stage
-    idle = tl.idle.assign(ms=tl.idle["end_ms"] - tl.idle["start_ms"]).groupby("rank")["ms"].sum()
-    np.testing.assert_allclose(idle.to_numpy(), [(p - 1) * (tf + tb + 2 * g)] * p, atol=1e-6)
+    # the pipeline window drawn: stage 0's first forward to its last backward
+    t_end = (p - 1) * (tf + g) + m * tf + (p - 1) * (tb + g) + m * tb
+    lead = STEP_LEAD_US / 1000 + offset[0] - origin
+    np.testing.assert_allclose(tl.pipeline_ms[1], (lead, lead + t_end), atol=1e-6)
+    # the grey lies inside it
+    assert (tl.idle["start_ms"] >= lead - 1e-6).all() and (tl.idle["end_ms"] <= lead + t_end + 1e-6).all()
 
 
 def test_timeline_figure_counts_and_hover(gpipe_run):
-    tl = build_timeline(gpipe_run.events, gpipe_run.layout)
+    tl = timeline_of(gpipe_run)
     fig = timeline_figure(tl)
     assert _blocks_per_stage(fig, tl, "F") == {s: 4 for s in range(4)}
     assert _blocks_per_stage(fig, tl, "B") == {s: 4 for s in range(4)}
@@ -233,7 +249,7 @@ def test_labels_only_where_readable():
 
 def test_hostile_names_are_escaped(tmp_path):
     run = load_run(write_gpipe_run(tmp_path, hostile=True), use_cache=False)
-    fig = timeline_figure(build_timeline(run.events, run.layout))
+    fig = timeline_figure(timeline_of(run))
     hover = [h for t in fig.data if t.hovertext for h in t.hovertext if h]
     assert any("&lt;img/src=x/onerror=alert(1)&gt;" in h for h in hover)
     assert any("&lt;/script&gt;&lt;script&gt;alert(2)" in h for h in hover)
@@ -283,13 +299,16 @@ def test_report_views_show_report_values():
     np.testing.assert_allclose(bubble.data[0].y, [40.0, 39.0, 38.0, 37.0])
     # with the split: schedule part + latency part stacked on one bar, beside the theory
     for s in report["pipeline"]["stages"]:
-        s.update(step_s=0.02, bubble_latency_s=0.002)
+        s.update(step_s=0.02, bubble_latency_s=0.002,
+                 bubble_schedule_s=s["bubble_fraction"] * 0.02 - 0.002)
     split = bubble_figure(report)
     assert [t.name for t in split.data] == ["measured: schedule", "measured: p2p latency + host gaps",
                                            "theory (from measured t_f, t_b)"]
     np.testing.assert_allclose(split.data[1].y, [10.0] * 4)
     np.testing.assert_allclose(np.add(split.data[0].y, split.data[1].y), [40.0, 39.0, 38.0, 37.0])
     np.testing.assert_allclose(split.data[1].base, split.data[0].y)
+    np.testing.assert_allclose(split.data[0].customdata,
+                               [1000 * s["bubble_schedule_s"] for s in report["pipeline"]["stages"]])
     comm = comm_figure(report)
     dp = list(comm.data[1].x).index("dp")
     np.testing.assert_allclose(comm.data[1].y[dp], 1000 * np.mean([0.0001 * (r + 1) for r in range(8)]))
@@ -302,7 +321,7 @@ def test_report_views_show_report_values():
 
 def test_page_carries_hover_text_once_per_block(gpipe_run):
     """The loader repeats each block's text on its hover points; the page holds it once."""
-    fig = timeline_figure(build_timeline(gpipe_run.events, gpipe_run.layout))
+    fig = timeline_figure(timeline_of(gpipe_run))
     html = render_html(gpipe_run, synthetic_report(gpipe_run.layout), {"timeline": fig})
     packed = json.loads(re.search(r'id="data-fig-timeline">(.*?)</script>', html, re.S).group(1))
     for trace, sent in zip(fig.data, packed["data"]):
@@ -316,7 +335,10 @@ def test_page_carries_hover_text_once_per_block(gpipe_run):
 
 
 def test_write_dashboard_is_self_contained(gpipe_run, tmp_path):
-    out = write_dashboard(gpipe_run, synthetic_report(gpipe_run.layout), tmp_path / "d" / "r.html")
+    from pptrace.whatif.predict import whatif
+
+    out = write_dashboard(gpipe_run, synthetic_report(gpipe_run.layout), tmp_path / "d" / "r.html",
+                          partitions=partition_run(gpipe_run), whatif_result=whatif(gpipe_run))
     html = out.read_text()
     assert html.count("<script") == 1 + 8 + 1  # plotly.js once, a JSON block per figure, loader
     assert html.count('type="application/json"') == 8
@@ -340,7 +362,7 @@ def test_plain_gpu_style_run_falls_back_to_kernels():
         "gpu_annotation": False,
     })
     ev.loc[0, "end_ns"] = 10_000
-    tl = build_timeline(ev, Layout(tp=1, cp=1, pp=1, dp=1))
+    tl = build_timeline(ev, Layout(tp=1, cp=1, pp=1, dp=1), {(0, 0): (0, 10_000)})
     assert sorted(tl.blocks["phase"].unique()) == ["kernel", "nccl"]
     assert set(tl.blocks.loc[tl.blocks["phase"] == "nccl", "row"]) == {"comm"}
     fig = timeline_figure(tl)
@@ -357,7 +379,6 @@ def test_empty_report_gives_placeholders_not_errors():
 
 
 def test_replay_figure_puts_measured_and_replayed_passes_side_by_side(gpipe_run):
-    from pptrace.export.report import build_report
     from pptrace.whatif.predict import whatif
 
     report, result = build_report(gpipe_run), whatif(gpipe_run)
@@ -376,3 +397,55 @@ def test_replay_figure_puts_measured_and_replayed_passes_side_by_side(gpipe_run)
     assert list(fig.layout.yaxis.ticktext) == [f"{source} · stage {s}" for s in range(p)
                                                for source in ("measured", "replayed")]
     assert f"{result['measured']['step_time_s'] * 1e3:.1f} ms measured" in fig.layout.title.text
+
+
+def _grey_per_rank_step_us(fig, tl) -> Counter:
+    """(rank, step) -> µs of grey the timeline figure draws: the rectangles of each step's
+    idle polygon, each on the lane its centre lies in."""
+    drawn = Counter()
+    for trace in fig.data:
+        if trace.meta and trace.meta["phase"] == "idle":
+            for x0, x1, y in polygon_rects(trace.x, trace.y):
+                drawn[_lane_of(tl, y).rank, trace.meta["step"]] += 1000 * (x1 - x0)
+    return drawn
+
+
+@pytest.mark.parametrize("which", ["gpipe", "trainer"])
+def test_grey_idle_is_the_reports_pp_bubble(which, request):
+    """What the timeline draws grey on a rank in a step is the report's pp_bubble of that
+    rank and step, to the microsecond, and its dotted window is the analysis' pipeline window."""
+    run = (request.getfixturevalue("gpipe_run") if which == "gpipe"
+           else load_run(request.getfixturevalue("trainer_run"), use_cache=False))
+    report = build_report(run)
+    tl = timeline_of(run)
+    drawn = _grey_per_rank_step_us(timeline_figure(tl), tl)
+    reported = {(r["rank"], s["step"]): 1e6 * s["breakdown_s"]["pp_bubble"]
+                for r in report["ranks"] for s in r["steps"]}
+    assert len(reported) == len(run.ranks) * len(run.steps) and sum(reported.values()) > 0
+    assert set(drawn) <= set(reported)
+    for key, us in reported.items():
+        assert abs(drawn[key] - us) < 1.0, (key, drawn[key], us)
+    for step, (lo, hi) in run.pipeline_windows.items():
+        origin = min(w[0] for (_, s), w in run.step_windows.items() if s == step)
+        np.testing.assert_allclose(tl.pipeline_ms[step], ((lo - origin) / 1e6, (hi - origin) / 1e6))
+
+
+def test_page_draws_the_given_whatif_and_never_runs_one(gpipe_run, tmp_path, monkeypatch):
+    """The what-if is the caller's (33 simulations): building the page must not start one."""
+    import pptrace.whatif.predict as predict
+
+    report, partitions, result = build_report(gpipe_run), partition_run(gpipe_run), predict.whatif(gpipe_run)
+
+    def simulate(*args, **kwargs):
+        raise AssertionError("the dashboard ran the what-if simulator")
+
+    monkeypatch.setattr(predict, "whatif", simulate)
+    html = write_dashboard(gpipe_run, report, tmp_path / "r.html", partitions=partitions,
+                           whatif_result=result).read_text()
+    replay = re.search(r'id="data-fig-replay">(.*?)</script>', html, re.S).group(1)
+    assert "replayed · stage 0" in replay and f"{result['predicted']['step_time_s'] * 1e3:.1f} ms replayed" in replay
+    # none given: the page says why, still without simulating
+    html = write_dashboard(gpipe_run, report, tmp_path / "r.html", partitions=partitions,
+                           whatif_note="no compute:fwd/bwd ranges").read_text()
+    replay = json.loads(re.search(r'id="data-fig-replay">(.*?)</script>', html, re.S).group(1))
+    assert replay["layout"]["annotations"][0]["text"] == "no what-if replay: no compute:fwd/bwd ranges"

@@ -5,9 +5,10 @@ import shutil
 
 import pytest
 
-from pptrace.analyzers.partition import PARTS, activities, partition_run
-from pptrace.analyzers.gpu_timeline import gpu_step_windows, gpu_timeline
-from pptrace.ingest.runview import view_of
+from pptrace.analyzers.partition import partition_run
+from pptrace.vocab import PARTS
+from pptrace.analyzers.gpu_timeline import gpu_timeline
+from pptrace.ingest.windows import gpu_step_windows
 from pptrace.export.report import build_report
 from pptrace.ingest.run import load_run
 
@@ -32,7 +33,7 @@ def test_every_nccl_kernel_knows_its_collective(world8):
     assert len(k) == 60 and k["collective"].notna().all()
     sendrecv = k[k["name"].astype(str).str.contains("SendRecv")]
     assert set(sendrecv["collective"].astype(str)) == {"all_to_all"}
-    act = activities(view_of(world8))[3]
+    act = world8.activities[3]
     assert act.p2p.total == 0
     assert act.comm["ep"].total > 0 and act.comm["dp"].total > 0
     assert act.unknown_groups == 60  # no pg_config, no group ranks: guessed, and said so
@@ -41,7 +42,7 @@ def test_every_nccl_kernel_knows_its_collective(world8):
 
 
 def test_partition_uses_gpu_step_windows_and_sums(world8):
-    view = view_of(world8)
+    view = world8
     windows = gpu_step_windows(world8.events)
     parts = partition_run(view)
     assert [p.step for p in parts] == [1009, 1010, 1011, 1012, 1013, 1014]
@@ -68,7 +69,7 @@ def test_gpu_timeline_is_consistent(world8):
 
 def test_world2_allreduce_is_dp_from_group_ranks(hta_fixtures):
     run = _run(hta_fixtures, "nccl_allreduce_world2_rank0.json.gz")
-    act = activities(view_of(run))[0]
+    act = run.activities[0]
     assert act.unknown_groups == 0 and act.comm["dp"].total > 0 and act.p2p.total == 0
     steps = build_report(run)["ranks"][0]["steps"]
     assert [s["step"] for s in steps] == [4, 5, 6]

@@ -142,10 +142,8 @@ def test_synthetic_passes_are_the_ops_between_posts(synthetic):
     for rank, truth in TRUTH.items():
         assert _passes(synthetic, rank) == [(op, mb, float(s), float(e)) for op, mb, s, e in truth]
     # the 30 us without an op inside rank 0's first forward is not compute
-    from pptrace.analyzers.partition import activities
-    from pptrace.ingest.runview import view_of
 
-    act = activities(view_of(synthetic))[0]
+    act = synthetic.activities[0]
     ev = synthetic.events[synthetic.events["rank"] == 0]
     t0 = RankTrace(0).raw_ns(0) + int((ev["start_ns"] - ev["raw_start_ns"]).iloc[0])  # on the aligned clock
     assert act.compute.covered([t0 + 10_000], [t0 + 100_000])[0] == 60_000

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pptrace.ingest.match import group_of, match_collectives, match_p2p
+from pptrace.ingest.match import PAIR_COLUMNS, group_of, match_p2p
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, pipeline_run, write_run
@@ -26,6 +26,19 @@ def test_pairs_equal_ground_truth(tmp_path):
         assert abs((p.recv_end_ns - origin) - recv_end_us * 1000) < 150_000
         assert p.wait_ns >= 0 and p.transfer_ns >= 0
     assert not [w for w in run.warnings if "no matching" in w]
+
+
+def test_loader_pairs_time_on_the_aligned_clocks(tmp_path):
+    """The loader pairs before aligning and times the pairs after (wait, transfer, exchanges:
+    pptrace.ingest.exchanges); the same as pairing the aligned events afresh."""
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=3, microbatches=3, skew_ns={1: 3_000_000, 2: -2_000_000})
+    run = load_run(run_dir, use_cache=False)
+    again, _ = match_p2p(run.events)
+    assert list(run.pairs.columns) == list(again.columns) == list(PAIR_COLUMNS)
+    for column in PAIR_COLUMNS:
+        assert (run.pairs[column].to_numpy() == again[column].to_numpy()).all(), column
+    # GPipe: every recv is its own exchange, waiting until the send plus 50 µs latency
+    assert (run.pairs["recv_exchange"].nunique() == len(run.pairs)) and (run.pairs["transfer_ns"] > 0).all()
 
 
 def test_unmatched_ops_are_warnings(tmp_path):
@@ -93,7 +106,7 @@ def test_real_gloo_matching_is_complete(gloo_run):
     assert set(sizes["size"]) == {2, 4}  # dp buckets over [0,1]/[2,3], grad norm over all
     assert not [w for w in run.warnings if "no matching" in w or "lack ranks" in w]
     steps = run.steps
-    assert steps == list(range(1, 9)) and set(run.pairs["step"]) == set(steps)
+    assert steps == tuple(range(1, 9)) and set(run.pairs["step"]) == set(steps)
 
 
 @pytest.mark.slow
@@ -101,8 +114,8 @@ def test_real_trainer_run_loads_matches_and_aligns(trainer_run, tmp_path):
     from pptrace.export.perfetto import merge_run
 
     run = load_run(trainer_run, use_cache=False)
-    assert run.layout == Layout(pp=2, dp=2) and run.ranks == [0, 1, 2, 3]
-    assert run.steps == [1, 2] and run.schedule == "1f1b" and run.microbatches == 4
+    assert run.layout == Layout(pp=2, dp=2) and run.ranks == (0, 1, 2, 3)
+    assert run.steps == (1, 2) and run.schedule == "1f1b" and run.microbatches == 4
     ev = run.events
     p2p = ev[(ev["category"] == "p2p").to_numpy()]
     assert len(p2p) == 2 * len(run.pairs) > 0

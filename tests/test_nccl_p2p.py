@@ -19,9 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.analyzers.partition import PARTS, activities
+from pptrace.vocab import PARTS
 from pptrace.analyzers.p2p import match_pairs
-from pptrace.ingest.runview import view_of
 from pptrace.ingest.schema import build_frame
 from pptrace.export.report import build_report
 from pptrace.ingest.run import load_run
@@ -231,7 +230,7 @@ def test_send_recv_ops_become_inferred_pp_rows(built):
 
 def test_every_pair_found_with_exact_wait_and_transfer(built):
     _, truth, run = built
-    pairs, unmatched = match_pairs(view_of(run))
+    pairs, unmatched = match_pairs(run)
     assert len(unmatched) == 0 and len(pairs) == len(truth) == 2 * 4 * len(STEPS)
     base = RankTrace(0).raw_ns(0)
     got = sorted((int(p.src), int(p.dst), int(p.step), _us(p.send_start_ns - base), _us(p.recv_start_ns - base),
@@ -268,7 +267,7 @@ def test_all_to_all_stays_a_collective(built):
     assert len(a2a) == 2 * 2 * len(STEPS) and a2a["complete"].all()
     assert set(a2a["group"]) == {"0,1", "2,3"}
     assert not inst["op"].astype(str).str.contains("send|recv|batch").any()  # p2p kernels kept out
-    acts = activities(view_of(run))
+    acts = run.activities
     for r in ranks:
         p2p_us = sum(e - s for kind, s, e, _ in r.kernels if kind == "p2p")
         a2a_us = sum(e - s for kind, s, e, _ in r.kernels if kind == "a2a")

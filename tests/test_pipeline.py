@@ -1,5 +1,7 @@
-"""Pipeline schedule tables (pure functions), checked against the schedules' definitions and
-against an event simulation whose makespan must equal each schedule's closed-form theory."""
+"""Pipeline schedule tables (pure functions), checked against the schedules' definitions, and
+the trainer's interleaved schedule against the program the simulator replays. That the tables
+give each schedule's closed-form theory is tests/test_theory_replay.py (the replay engine run
+with the computation's own dependencies only)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -11,44 +13,6 @@ from pptrace.whatif.schedules import (
     num_warmup_microbatches,
     schedule_table,
 )
-
-
-def simulate(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float = 0.0) -> float:
-    """Makespan of running every stage's schedule_table with per-microbatch-per-stage times
-    t_f, t_b (input grad), t_w (weight grad; folded into B unless the table has W entries),
-    split evenly over v chunks, zero-cost communication.
-
-    Dependencies are those of the computation itself, independent of any schedule: F of
-    virtual stage s needs F of s-1, B of s needs F of s and B of s+1, W needs B. Chunk c of
-    stage r is virtual stage c*p + r."""
-    tables = [schedule_table(schedule, p, r, m, v) for r in range(p)]
-    has_w = any(op == "W" for op, _, _ in tables[0])
-    duration = {"F": t_f / v, "B": (t_b if has_w else t_b + t_w) / v, "W": t_w / v}
-    finish, clock, position = {}, [0.0] * p, [0] * p
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while position[r] < len(tables[r]):
-                op, mb, chunk = tables[r][position[r]]
-                stage = chunk * p + r
-                deps = []
-                if op == "F" and stage > 0:
-                    deps.append(("F", stage - 1, mb))
-                if op == "B":
-                    deps.append(("F", stage, mb))
-                    if stage < p * v - 1:
-                        deps.append(("B", stage + 1, mb))
-                if op == "W":
-                    deps.append(("B", stage, mb))
-                if any(d not in finish for d in deps):
-                    break
-                start = max([clock[r]] + [finish[d] for d in deps])
-                finish[(op, stage, mb)] = clock[r] = start + duration[op]
-                position[r] += 1
-                progressed = True
-    assert all(position[r] == len(tables[r]) for r in range(p)), f"{schedule} table deadlocks"
-    return max(clock)
 
 
 def _check_complete(table, m: int, v: int, ops: str) -> None:
@@ -127,21 +91,6 @@ def test_zb_h1_table(p, m):
         assert [mb for op, mb, _ in table if op == "W"] == list(range(m))
 
 
-@pytest.mark.parametrize("p,m", [(4, 8), (2, 4), (4, 4), (8, 16)])
-@pytest.mark.parametrize("t_f,t_b,t_w", [(1.0, 2.0, 0.0), (10.0, 10.0, 10.0), (2.0, 3.0, 1.0)])
-def test_simulated_makespan_matches_theory(p, m, t_f, t_b, t_w):
-    full_bwd = t_b + t_w
-    ideal = m * (t_f + full_bwd)
-    assert simulate("gpipe", p, m, 1, t_f, t_b, t_w) == pytest.approx(ideal + (p - 1) * (t_f + full_bwd))
-    assert simulate("1f1b", p, m, 1, t_f, t_b, t_w) == pytest.approx(ideal + (p - 1) * (t_f + full_bwd))
-    assert simulate("zb-h1", p, m, 1, t_f, t_b, t_w) == pytest.approx(ideal + (p - 1) * (t_f + t_b - t_w))
-    for v in (2, 4):
-        if m % p == 0:
-            assert simulate("interleaved", p, m, v, t_f, t_b, t_w) == pytest.approx(
-                ideal + (p - 1) * (t_f + full_bwd) / v
-            )
-
-
 @pytest.mark.parametrize(
     "args,match",
     [
@@ -154,3 +103,62 @@ def test_simulated_makespan_matches_theory(p, m, t_f, t_b, t_w):
 def test_schedule_table_rejects_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         schedule_table(*args)
+
+
+_DIRECTION = {"send_next": ("fwd", True), "send_prev": ("bwd", True),
+              "recv_prev": ("fwd", False), "recv_next": ("bwd", False)}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 4)])
+def test_trainer_executes_the_simulators_interleaved_program(monkeypatch, p, m, v, overlap):
+    """One rule for Megatron's interleaved schedule: the trainer, its p2p replaced by a
+    recorder, posts and waits the simulator's messages (direction, mb, consuming chunk)
+    around the simulator's passes, each pass gets the tensor its message brought, and each
+    send carries the output of the pass that made it."""
+    pytest.importorskip("torch")
+    from instrumented_model import pp_communications
+    from instrumented_model.pipeline_parallel import PipelineRun, get_forward_backward_func
+    from pptrace.whatif.replay import stage_program
+
+    for r in range(p):
+        traced = []
+
+        def post(ctx, **directions):
+            posted = {k: msg for k, msg in directions.items() if msg is not None}
+            for k, msg in posted.items():  # a send carries what its pass made, of the same mb
+                produced = {"send_next": "output", "send_prev": "input_grad"}.get(k)
+                assert produced is None or msg.tensor[:2] == (produced, msg.mb), (k, msg)
+            traced.append(("post", {(*_DIRECTION[k], msg.mb, msg.chunk) for k, msg in posted.items()}))
+            at = len(traced) - 1
+
+            class Posted:
+                def wait(self):
+                    traced.append(("wait", at))
+                    got = {k: ("input" if k == "recv_prev" else "grad", msg.mb, msg.chunk) for k, msg in posted.items()}
+                    return got.get("recv_prev"), got.get("recv_next")
+            return Posted()
+
+        class Recorder:
+            def forward(self, mb, chunk, x):
+                assert x == (None if r == 0 and chunk == 0 else ("input", mb, chunk))
+                traced.append(("F", mb, chunk))
+                return ("output", mb, chunk)
+
+            def backward(self, mb, chunk, grad):
+                assert grad == (None if r == p - 1 and chunk == v - 1 else ("grad", mb, chunk))
+                traced.append(("B", mb, chunk))
+                return ("input_grad", mb, chunk)
+
+        monkeypatch.setattr(pp_communications, "post", post)
+        get_forward_backward_func("interleaved", p, v)(PipelineRun(Recorder(), None, m, r, p, v, overlap))
+        expected, opened = [], {}
+        for op in stage_program("interleaved", p, r, m, v, overlap):
+            if op.kind in ("comm", "post"):
+                expected.append(("post", {(msg.direction, msg.is_send, msg.mb, msg.chunk) for msg in op.msgs}))
+                opened[op.handle] = len(expected) - 1
+            if op.kind in ("comm", "wait"):
+                expected.append(("wait", opened.pop(op.handle)))
+            elif op.kind != "post":
+                expected.append((op.kind, op.mb, op.chunk))
+        assert traced == expected, r

@@ -12,7 +12,7 @@ from rich.console import Console
 from pptrace.export.report import SCHEMA, build_report, print_report
 from pptrace.topology import Layout
 from conftest import FIXTURES
-from test_analyzers_synthetic import STAGE0, STAGE1, _trace, _view, pipeline_view  # noqa: F401 (fixture)
+from tracegen import STAGE0, STAGE1, run_from_docs, trace_doc
 
 BREAKDOWN = {"compute", "pp_bubble", "pp_transfer", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "other"}
 
@@ -74,27 +74,40 @@ def test_print_report_shows_every_view(pipeline_view):
     assert "0.07" in text  # stage 0's 70 µs bubble in ms
 
 
-def test_report_through_load_run(tmp_path):
-    """The same traces as a run directory, loaded, aligned and matched by pptrace.ingest.run."""
+@pytest.mark.parametrize("block_last", [False, True], ids=["block-first", "block-after-events"])
+def test_report_through_load_run(tmp_path, block_last):
+    """The same traces as a run directory, loaded, aligned and matched by pptrace.ingest.run,
+    with the pptrace block before the events (pptrace's writer) or after them (Kineto writes
+    its own top-level metadata after traceEvents): the same layout and the same per-stage
+    bubble as the hand-built view (70 and 67 µs) either way."""
     from pptrace.ingest.run import load_run
 
     layout = Layout(pp=2)
     traces = tmp_path / "run" / "traces"
     traces.mkdir(parents=True)
     for rank, ranges in ((0, STAGE0), (1, STAGE1)):
-        doc = _trace(rank, 2, ranges, layout=layout)
-        doc["pptrace"].update(schedule="1f1b", microbatches=2, steps=[1])
+        doc = trace_doc(rank, 2, ranges, layout=layout)
+        # one host: one clock, so the loaded run is the hand-built view, offsets 0
+        doc["pptrace"].update(schedule="1f1b", microbatches=2, steps=[1], hostname="node0")
+        if block_last:
+            doc["pptrace"] = doc.pop("pptrace")
+            assert list(doc).index("pptrace") > list(doc).index("traceEvents")
         (traces / f"rank{rank}.json.gz").write_bytes(gzip.compress(orjson.dumps(doc)))
-    report = build_report(load_run(tmp_path / "run"))
+    run = load_run(tmp_path / "run")
+    assert (run.layout.pp, run.layout.dp) == (2, 1)
+    report = build_report(run)
     _check_contract(report)
-    assert report["run"]["schedule"] == "1f1b" and report["p2p"]["pairs"] == 4
+    assert report["run"]["layout"]["pp"] == 2 and report["run"]["schedule"] == "1f1b"
+    assert report["p2p"]["pairs"] == 4
     assert [len(r["steps"]) for r in report["ranks"]] == [1, 1]
+    assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1]
+    assert [round(s["bubble_s"] * 1e6) for s in report["pipeline"]["stages"]] == [70, 67]
 
 
 def test_missing_rank_gives_partial_results_and_warnings(tmp_path):
     """Stage 1's trace is missing: stage 0 is still partitioned, with warnings."""
     layout = Layout(pp=2)
-    report = build_report(_view(tmp_path, {0: _trace(0, 2, STAGE0, layout=layout)}, layout))
+    report = build_report(run_from_docs(tmp_path, {0: trace_doc(0, 2, STAGE0, layout=layout)}, layout))
     _check_contract(report)
     assert [r["rank"] for r in report["ranks"]] == [0]
     assert any("no matching peer" in w for w in report["warnings"])

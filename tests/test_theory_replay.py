@@ -6,11 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.whatif.schedules import canonical, has_closed_form, schedule_table, stage_placement
+from pptrace.vocab import canonical, has_closed_form
+from pptrace.whatif.schedules import schedule_table, stage_placement
 from pptrace.whatif.replay import PipelineTimes, action_programs, simulate
-
-_OP = {"F": "F", "B": "B", "W": "W"}
-
 
 def _orders(schedule: str, p: int, m: int, v: int = 1) -> list:
     """pptrace's own tables as action orders over global stages (looped placement)."""
@@ -19,20 +17,20 @@ def _orders(schedule: str, p: int, m: int, v: int = 1) -> list:
             for r in range(p)]
 
 
-@pytest.mark.parametrize("schedule,v,t_w", [("gpipe", 1, 0.0), ("1f1b", 1, 0.0), ("interleaved", 2, 0.0),
-                                            ("zb-h1", 1, 0.004)])
-def test_replay_of_an_action_order_gives_the_closed_form(schedule, v, t_w):
-    p, m, t_f, t_b = 4, 8, 0.010, 0.020
-    times = PipelineTimes.uniform(p, m, t_f, t_b - t_w, t_w)
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)])
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 4), (4, 4), (8, 16)])
+@pytest.mark.parametrize("t_f,t_b,t_w", [(1.0, 2.0, 0.0), (10.0, 10.0, 10.0), (2.0, 3.0, 1.0)])
+def test_replay_of_an_action_order_gives_the_closed_form(schedule, v, p, m, t_f, t_b, t_w):
+    """Every table replayed with only the computation's own dependencies (a pass's input
+    arrives when its producer ends: eager sends, no latency): the closed forms, t_b being
+    the input grad and t_w the weight grad (folded into B outside ZB-H1). So the tables are
+    the schedules and the replay is their theory; a table that deadlocked would raise."""
+    times = PipelineTimes.uniform(p, m, t_f, t_b, t_w)
     progs = action_programs(_orders(schedule, p, m, v), stage_placement(schedule, p, v))
     timeline = simulate(schedule, times, v, sends="eager", programs=progs)
+    expected = (p - 1) * (t_f + t_b - t_w) if schedule == "zb-h1" else (p - 1) * (t_f + t_b + t_w) / v
+    assert timeline.makespan_s == pytest.approx(m * (t_f + t_b + t_w) + expected)
     bubble = timeline.makespan_s - timeline.stages["compute_s"].to_numpy()
-    if schedule == "interleaved":
-        expected = (p - 1) * (t_f + t_b) / v
-    elif schedule == "zb-h1":
-        expected = (p - 1) * (t_f + t_b - 2 * t_w)
-    else:
-        expected = (p - 1) * (t_f + t_b)
     assert bubble == pytest.approx(np.full(p, expected), abs=1e-9)
 
 

@@ -21,6 +21,10 @@ from pathlib import Path
 
 import orjson
 
+import pandas as pd
+
+from pptrace.ingest.load import load_rank
+from pptrace.ingest.run import Run
 from pptrace.naming import format_name
 from pptrace.topology import Layout
 
@@ -198,3 +202,74 @@ def pipeline_run(out_dir, *, pp: int = 2, dp: int = 1, microbatches: int = 4, st
         t0 = leave + 20
     write_run(out_dir, traces, gz=gz)
     return Path(out_dir), truth
+
+
+# -------------------------------------------------------------------------------------------
+# whole trace documents written by hand (times in µs from baseTimeNanoseconds)
+# -------------------------------------------------------------------------------------------
+BASE_NS = 1_700_000_000_000_000_000
+US = 1000  # ns
+
+
+def trace_doc(rank: int, world: int, ranges: list, workers: list = (), layout: Layout | None = None) -> dict:
+    """One rank's Chrome trace document, written out whole. ranges: (name, start_us, end_us) on the main thread; workers: the same on a gloo
+    worker thread. ts are relative µs with baseTimeNanoseconds, as Kineto writes them."""
+    pid, worker_tid = 1000 + rank, 5000 + rank
+    events = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": worker_tid,
+               "args": {"name": f"thread {worker_tid} (pt_gloo_runloop)"}}]
+    for tid, items in ((pid, ranges), (worker_tid, workers)):
+        for name, start, end in items:
+            cat = "cpu_op" if name.startswith("c10d::") else "user_annotation"
+            events.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid,
+                           "ts": start, "dur": end - start, "args": {}})
+    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": world},
+           "baseTimeNanoseconds": BASE_NS, "traceEvents": events}
+    if layout is not None:
+        doc["pptrace"] = {"version": 1, "rank": rank, "world_size": world, "layout": layout.to_dict()}
+    return doc
+
+
+def run_from_docs(tmp_path, traces: dict, layout: Layout, **kwargs) -> Run:
+    """The Run of these trace documents, each loaded by the real loader (no alignment,
+    no loader pairing: what an analysis sees of a hand-built run)."""
+    frames = []
+    for rank, doc in traces.items():
+        path = tmp_path / f"rank{rank}.json.gz"
+        path.write_bytes(gzip.compress(orjson.dumps(doc)))
+        frames.append(load_rank(path, rank)[0])
+    events = pd.concat(frames, ignore_index=True)
+    for column in frames[0].columns:
+        if isinstance(frames[0][column].dtype, pd.CategoricalDtype):
+            events[column] = events[column].astype(str).where(events[column].notna()).astype("category")
+    return Run.from_events(events, layout, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------
+# scenario 1: a 2-stage pipeline, 2 microbatches, one step [0, 260) µs on both ranks
+# -------------------------------------------------------------------------------------------
+STAGE0 = [
+    ("ProfilerStep#1", 0, 260),
+    ("compute:fwd mb=0", 10, 30),
+    ("pp:send_fwd peer=1 mb=0 bytes=100", 30, 40),   # recv [5,38): transfer 8, then waits 2
+    ("compute:fwd mb=1", 40, 60),
+    ("pp:send_fwd peer=1 mb=1 bytes=100", 60, 62),   # recv posted at 103: all wait (2)
+    ("pp:recv_bwd peer=1 mb=0 bytes=100", 62, 104),  # send [98,103): wait 36, transfer 5, wait 1
+    ("compute:bwd mb=0", 104, 144),
+    ("pp:recv_bwd peer=1 mb=1 bytes=100", 144, 172),  # send [166,170): wait 22, transfer 4, wait 2
+    ("compute:bwd mb=1", 172, 212),
+    ("dp:all_reduce what=grad_norm bytes=4", 212, 230),
+    ("compute:optimizer", 232, 240),
+]
+STAGE1 = [
+    ("ProfilerStep#1", 0, 260),
+    ("pp:recv_fwd peer=0 mb=0 bytes=100", 5, 38),    # send at 30: wait 25, transfer 8
+    ("compute:fwd mb=0", 38, 58),
+    ("compute:bwd mb=0", 58, 98),
+    ("pp:send_bwd peer=0 mb=0 bytes=100", 98, 103),  # recv posted at 62: transfer 5
+    ("pp:recv_fwd peer=0 mb=1 bytes=100", 103, 106),  # send done at 62 (eager): transfer 3
+    ("compute:fwd mb=1", 106, 126),
+    ("compute:bwd mb=1", 126, 166),
+    ("pp:send_bwd peer=0 mb=1 bytes=100", 166, 170),  # recv posted at 144: transfer 4
+    ("dp:all_reduce what=grad_norm bytes=4", 175, 230),  # blocked until stage 0 is done
+    ("compute:optimizer", 232, 240),
+]

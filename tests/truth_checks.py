@@ -71,7 +71,7 @@ def breakdowns(report: dict) -> dict:
 
 def check_whatif_replay(run, schedule: str, limit: float = 0.10) -> None:
     """What-if replays the measured schedule within ``limit`` of the measured step."""
-    from pptrace.whatif.schedules import canonical
+    from pptrace.vocab import canonical
     from pptrace.whatif.predict import whatif
 
     result = whatif(run)

@@ -24,13 +24,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..whatif.schedules import canonical, has_closed_form
-from .partition import pipeline_windows
-from ..whatif.free_p2p import free_p2p_ends
+from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD_OPS, PP_SENDS, SEND_FWD, canonical,
+                     has_closed_form)
+from ..whatif.replay import PipelineTimes, action_programs, latency_free_ends, simulate
 from ..ingest.intervals import Intervals
-
-FWD_OPS = ("fwd",)
-BWD_OPS = ("bwd", "bwd_input", "bwd_weight")
 
 
 def microbatch_times(view) -> pd.DataFrame:
@@ -69,7 +66,7 @@ def _phase_bubble(partitions_by_key: dict, times: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (rank, step), part in partitions_by_key.items():
         mine = times[(times["rank"] == rank) & (times["step"] == step)]
-        f, b = mine[mine["op"].isin(FWD_OPS)], mine[mine["op"].isin(("bwd", "bwd_input"))]
+        f, b = mine[mine["op"].isin(FWD_OPS)], mine[mine["op"].isin((BWD, BWD_INPUT))]
         t1 = int(b["start_ns"].min()) if not b.empty else part.end_ns
         t2 = max(int(f["end_ns"].max()) if not f.empty else t1, t1)
         bubble = part.parts["pp_bubble"]
@@ -106,9 +103,6 @@ def balanced_theory_bubble(schedule: str | None, p: int, v: int, t: float, t_w: 
     return (p - 1) * t
 
 
-_ACTION_OF = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
-
-
 def _measured_orders(times: pd.DataFrame, view, placement: list[int], p: int) -> list | None:
     """Per pipeline position, the (op, global stage, mb) order one of its ranks ran in its
     first profiled step with passes: the schedule's own order, as the trace shows it, with
@@ -128,13 +122,13 @@ def _measured_orders(times: pd.DataFrame, view, placement: list[int], p: int) ->
         first = first[(first["step"] == step).to_numpy()]
         # (time, 1, action) for passes, (time, 0, action) for sends: a send posted the
         # instant a pass began came first (the pass would have held the thread)
-        items = [(start, 1, (_ACTION_OF[op], stage_of.get((pos, int(c)), pos), int(mb)))
+        items = [(start, 1, (ACTION_OF[op], stage_of.get((pos, int(c)), pos), int(mb)))
                  for start, op, c, mb in zip(first["start_ns"], first["op"], first["chunk"], first["mb"])]
         posted = sends[(sends["rank"] == rank).to_numpy() & (sends["step"] == step).to_numpy()]
         for start, op, peer, c, mb in zip(posted["start_ns"], posted["op"], posted["peer_pos"], posted["chunk"], posted["mb"]):
             consumer = stage_of.get((int(peer), int(c)))
             if consumer is not None and mb >= 0:  # the send's chunk is its consumer's
-                items.append((start, 0, ("SF", consumer - 1, int(mb)) if op == "send_fwd" else ("SB", consumer + 1, int(mb))))
+                items.append((start, 0, ("SF", consumer - 1, int(mb)) if op == SEND_FWD else ("SB", consumer + 1, int(mb))))
         orders.append([action for _, _, action in sorted(items, key=lambda item: item[:2])])
     return orders
 
@@ -143,7 +137,7 @@ def _send_posts(view) -> pd.DataFrame:
     """Host pipeline sends with mb and peer: rank, step, start_ns, op, peer_pos, chunk, mb."""
     ev = view.events
     sel = ev[(ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
-             & ~ev["gpu_annotation"].to_numpy() & ev["op"].isin(("send_fwd", "send_bwd")).to_numpy()
+             & ~ev["gpu_annotation"].to_numpy() & ev["op"].isin(PP_SENDS).to_numpy()
              & ev["peer"].notna().to_numpy() & ev["mb"].notna().to_numpy()]
     pos = {r: view.layout.coords(r).pp for r in range(view.layout.world_size)}
     return pd.DataFrame({
@@ -188,8 +182,6 @@ def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: in
     """Theory of a schedule without a closed form: its own action order (as recorded by the
     trainer's integration, else as the trace ran it) replayed with free p2p and the run's
     measured per-stage pass times (whatif/replay.py). -> (step, bubble per stage, source) or None."""
-    from ..whatif.replay import PipelineTimes, action_programs, simulate
-
     found = action_orders(view, times, v)
     if found is None:
         return None
@@ -206,7 +198,7 @@ def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: in
     pos, chunk = times["stage"].to_numpy(np.int64), times["chunk"].to_numpy(np.int64)
     inside = (pos >= 0) & (pos < p) & (chunk >= 0) & (chunk < gstage.shape[1])
     found = np.where(inside, gstage[np.clip(pos, 0, p - 1), np.clip(chunk, 0, gstage.shape[1] - 1)], -1)
-    mean = times.assign(action=times["op"].map(_ACTION_OF), gstage=np.where(found >= 0, found, pos)
+    mean = times.assign(action=times["op"].map(ACTION_OF), gstage=np.where(found >= 0, found, pos)
                         ).groupby(["action", "gstage"])["dur_s"].mean()
     seconds = {(str(a), int(g)): float(t) for (a, g), t in mean.items()}
     try:
@@ -221,7 +213,7 @@ def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> d
     """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
 
     Per step, L is how much sooner the pipeline window would have ended with free p2p and no
-    host time between ops (``free_p2p.free_p2p_ends``: the step replayed in its measured
+    host time between ops (``replay.latency_free_ends``: the step replayed in its measured
     order with its measured pass times); every stage would idle L less. A rank already spends
     part of its idle time in its own transfers and host gaps, which are not bubble, so its
     bubble owes L minus that part to latency (clipped to [0, bubble]). The rest, the schedule
@@ -232,14 +224,14 @@ def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> d
     Steps the replay cannot follow, and GPU traces (their window is where kernels ran, the
     replay follows the host), are left out: the caller reports their split as unknown.
     """
-    windows = pipeline_windows(view)
+    windows = view.pipeline_windows
     pairs = pairs if pairs is not None else view.pairs
     if not windows or pairs is None or "send_index" not in pairs.columns:
         return {}
     if (view.events["lane_kind"] == "gpu").any():
         return {}
     profiled = {step: window for step, window in windows.items() if step in view.steps}
-    latency = {step: max(profiled[step][1] - end, 0) for step, end in free_p2p_ends(view, pairs, profiled).items()}
+    latency = {step: max(profiled[step][1] - end, 0) for step, end in latency_free_ends(view, pairs, profiled).items()}
     out = {}
     window_of = {step: Intervals.span(lo, hi) for step, (lo, hi) in windows.items()}
     for part in partitions:
@@ -292,7 +284,7 @@ def pipeline_stages(view, partitions: list, latency: dict | None = None) -> tupl
             "steady_bubble_s": float(ph["steady_s"].mean()) if not ph.empty else 0.0,
             "cooldown_bubble_s": float(ph["cooldown_s"].mean()) if not ph.empty else 0.0,
             "t_fwd_s": _per_microbatch(st, FWD_OPS), "t_bwd_s": _per_microbatch(st, BWD_OPS),
-            "t_wgrad_s": _per_microbatch(st, ("bwd_weight",)),
+            "t_wgrad_s": _per_microbatch(st, (BWD_WEIGHT,)),
             "chunks": chunks if v > 1 else [],
         })
     stages = pd.DataFrame(rows)

@@ -11,18 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..ingest.match import match_collectives
-from ..ingest.activity import DIMS
+from ..ingest.schema import COMM_CATEGORIES
+from ..naming import parse_name
+from ..vocab import COMM_DIMS, is_step_end
 
 COLUMNS = ("dim", "count", "bytes", "time_s", "exposed_s", "hidden_s", "wait_s", "transfer_s", "ops")
-
-
-def instances(view) -> pd.DataFrame:
-    """Collective instances (pptrace.ingest.match layout), from the loader or matched here."""
-    if view.collectives is not None and "arrive_ns" in view.collectives.columns:
-        return view.collectives
-    table, _ = match_collectives(view.events, view.layout, view.ranks)
-    return table
 
 
 def instance_waits(inst: pd.DataFrame) -> pd.DataFrame:
@@ -42,12 +35,16 @@ def instance_waits(inst: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _step_final(name: str) -> bool:
-    return "what=grad_norm" in name
+def step_end_rows(names: pd.Series) -> np.ndarray:
+    """Which instances, by their range name, are the step-end collective (vocab.STEP_END_TAGS);
+    one parse per distinct name."""
+    names = names.astype(str)
+    found = {n: is_step_end(getattr(parse_name(n), "tags", {})) for n in names.unique()}
+    return names.map(found).to_numpy(bool)
 
 
 def _dim_of_instance(kind: str, name: str) -> str:
-    if kind in DIMS:
+    if kind in COMM_DIMS:
         return kind
     return "dp"  # NCCL kernels: the breakdown resolves dims per kernel; here a coarse bucket
 
@@ -55,19 +52,19 @@ def _dim_of_instance(kind: str, name: str) -> str:
 def collectives_by_dim(view, partitions: list, inst: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per dimension with communication: per rank per step means."""
     ev = view.events
-    calls = ev[ev["category"].isin([f"comm:{d}" for d in DIMS]) & (ev["lane_kind"] == "host")
+    calls = ev[ev["category"].isin(COMM_CATEGORIES) & (ev["lane_kind"] == "host")
                & ~ev["gpu_annotation"] & (ev["step"] >= 0)]
     if view.steps:
         calls = calls[calls["step"].isin(list(view.steps))]
     n_rank_steps = max(len(partitions), 1)
-    waits = instance_waits(inst if inst is not None else instances(view))
+    waits = instance_waits(inst if inst is not None else view.collectives)
     if not waits.empty:
-        waits = waits[(waits["n"] > 1) & ~waits["name"].astype(str).map(_step_final)]
+        waits = waits[(waits["n"] > 1) & ~step_end_rows(waits["name"])]
         if view.steps:
             waits = waits[waits["step"].isin(list(view.steps))]
         waits = waits.assign(dim=[_dim_of_instance(k, n) for k, n in zip(waits["kind"], waits["name"])])
     rows = []
-    for dim in DIMS:
+    for dim in COMM_DIMS:
         mine = calls[calls["kind"] == dim]
         exposed = sum(p.parts[f"{dim}_exposed"].total for p in partitions) / n_rank_steps / 1e9
         hidden = sum(p.hidden[dim] for p in partitions) / n_rank_steps / 1e9

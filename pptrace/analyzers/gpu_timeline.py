@@ -21,11 +21,19 @@ import numpy as np
 import pandas as pd
 
 from ..ingest.intervals import Intervals, union
+from ..ingest.windows import GPU_ACTIVITY, gpu_step_windows
 
-GPU_ACTIVITY = ("kernel_compute", "kernel_comm", "memcpy")
 #: a step is flagged launch-bound when at least this share of its GPU idle time is
 #: launch-bound and idle is at least IDLE_FLAG of the step
 LAUNCH_SHARE, IDLE_FLAG = 0.5, 0.1
+
+
+def is_launch_bound(idle, span, launch_bound) -> bool:
+    """A step (or a rank's mean step) of GPU ``span`` with ``idle`` time, ``launch_bound`` of it
+    waiting for the host: flagged by LAUNCH_SHARE and IDLE_FLAG (any one unit of time)."""
+    return bool(idle >= IDLE_FLAG * span and launch_bound >= LAUNCH_SHARE * idle and idle > 0)
+
+
 COLUMNS = (
     "rank", "step", "start_ns", "end_ns", "time_s", "busy_s", "compute_s", "comm_s",
     "overlap_s", "overlap_pct", "comm_exposed_s", "memcpy_s", "memcpy_exposed_s", "idle_s",
@@ -35,24 +43,6 @@ COLUMNS = (
 
 def _iv(rows: pd.DataFrame) -> Intervals:
     return union(rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64))
-
-
-def gpu_step_windows(events: pd.DataFrame, steps=None) -> dict:
-    """(rank, step) -> (start, end) of each step's GPU work, for ranks that have GPU work."""
-    work = events[events["category"].isin(list(GPU_ACTIVITY)).to_numpy() & (events["step"] >= 0).to_numpy()]
-    if work.empty:
-        return {}
-    g = work.groupby(["rank", "step"], observed=True).agg(start=("start_ns", "min"), end=("end_ns", "max"))
-    out = {}
-    for rank, per in g.groupby(level=0):
-        per = per.droplevel(0).sort_index()
-        starts, ends = per["start"].to_numpy(np.int64), per["end"].to_numpy(np.int64)
-        # steps never overlap: a step's window stops where the next one's GPU work starts
-        ends = np.minimum(ends, np.append(starts[1:], np.iinfo(np.int64).max))
-        for step, s, e in zip(per.index, starts, ends):
-            if steps is None or int(step) in steps:
-                out[(int(rank), int(step))] = (int(s), int(e))
-    return out
 
 
 def _launch_ends(ev: pd.DataFrame, work: pd.DataFrame) -> pd.Series:
@@ -99,7 +89,7 @@ def rank_timeline(ev: pd.DataFrame, rank: int, windows: dict) -> list[dict]:
             "comm_exposed_s": (m - c).total / 1e9, "memcpy_s": mem.total / 1e9,
             "memcpy_exposed_s": (mem - c - m).total / 1e9, "idle_s": idle / 1e9,
             "launch_bound_s": waiting.total / 1e9, "host_launching_s": (waiting & runtime).total / 1e9,
-            "launch_bound": bool(idle >= IDLE_FLAG * window and waiting.total >= LAUNCH_SHARE * idle and idle > 0),
+            "launch_bound": is_launch_bound(idle, window, waiting.total),
         })
     return rows
 

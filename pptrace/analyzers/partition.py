@@ -10,15 +10,11 @@ import numpy as np
 import pandas as pd
 
 from ..ingest.projection import gpu_extent
-from ..ingest.activity import DIMS, Activity, rank_activity
-from .gpu_timeline import gpu_step_windows
+from ..ingest.activity import Activity
 from ..ingest.intervals import Intervals, partition, union
 from .p2p import match_pairs, split_by_rank
-from ..ingest.runview import RunView
-
-PARTS = ("compute", "tp_exposed", "cp_exposed", "dp_exposed", "ep_exposed", "pp_transfer", "pp_bubble", "other")
-#: pipeline work: what opens and closes a step's pipeline window.
-PIPELINE_COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight", "loss")
+from ..ingest.run import Run
+from ..vocab import COMM_DIMS, PARTS
 
 
 @dataclass(frozen=True)
@@ -35,34 +31,7 @@ class StepPartition:
         return self.end_ns - self.start_ns
 
 
-def step_windows(view: RunView) -> dict:
-    """(rank, step) -> (start, end) of ProfilerStep#N on that rank's main thread."""
-    ev = view.events
-    marks = ev[(ev["category"] == "step") & (ev["lane_kind"] == "host")]
-    if "lane" in marks.columns:
-        main = marks[marks["lane"].astype(str) == "main"]
-        marks = main if not main.empty else marks
-    if view.steps:
-        marks = marks[marks["step"].isin(list(view.steps))]
-    return {(int(r.rank), int(r.step)): (int(r.start_ns), int(r.end_ns)) for r in marks.itertuples()}
-
-
-def pipeline_windows(view: RunView) -> dict:
-    """step -> (first pipeline op start, last pipeline op end) across all stages."""
-    if view.layout.pp <= 1:
-        return {}
-    ev = view.events
-    host = ev[(ev["lane_kind"] == "host") & ~ev["gpu_annotation"] & (ev["step"] >= 0)]
-    ops = host[(host["category"] == "p2p") | ((host["category"] == "compute") & host["op"].isin(PIPELINE_COMPUTE))]
-    if ops.empty:
-        return {}
-    start, end, _ = gpu_extent(ev, ops)  # GPU traces: where the work ran, not its launch
-    ops = ops.assign(start_ns=start, end_ns=end)
-    g = ops.groupby("step").agg(start=("start_ns", "min"), end=("end_ns", "max"))
-    return {int(s): (int(row.start), int(row.end)) for s, row in g.iterrows()}
-
-
-def untagged_p2p(view: RunView) -> dict:
+def untagged_p2p(view: Run) -> dict:
     """rank -> Intervals of pipeline p2p ranges without a peer (Megatron's own names carry
     none): they cannot pair, so like unmatched ranges they count as pp_transfer."""
     ev = view.events
@@ -75,43 +44,34 @@ def untagged_p2p(view: RunView) -> dict:
     return {int(r): union(start[ranks == r], end[ranks == r]) for r in np.unique(ranks)}
 
 
-def activities(view: RunView) -> dict:
-    """rank -> Activity, computed once per run."""
-    groups = view.process_groups
-    return {int(r): rank_activity(grp, int(r), view.layout, groups.get(int(r)))
-            for r, grp in view.events.groupby("rank", observed=True)}
-
-
 def partition_step(act: Activity, step: int, window: tuple, pipe: tuple | None,
                    p2p_wait: Intervals, p2p_transfer: Intervals) -> StepPartition:
     start, end = window
     pipe_iv = Intervals.span(*pipe) if pipe else Intervals.empty()
     order = [("compute", act.compute)]
-    for dim in DIMS:
+    for dim in COMM_DIMS:
         # The step-final collective blocks while other stages still run the pipeline: that is
         # bubble (contract 3); after the pipeline window it is this dimension's again.
         order.append((f"{dim}_exposed", act.comm[dim] | (act.step_final[dim] - pipe_iv)))
     order += [("pp_transfer", p2p_transfer), ("pp_bubble", p2p_wait | pipe_iv)]
     parts = partition((start, end), order, rest="other")
     hidden = {
-        dim: ((act.comm[dim] | act.step_final[dim]).clip(start, end) & act.compute).total for dim in DIMS
+        dim: ((act.comm[dim] | act.step_final[dim]).clip(start, end) & act.compute).total for dim in COMM_DIMS
     }
     return StepPartition(act.rank, step, start, end, parts, hidden)
 
 
-def partition_run(view: RunView, acts: dict | None = None, pairs=None) -> list[StepPartition]:
+def partition_run(view: Run, acts: dict | None = None, pairs=None) -> list[StepPartition]:
     """Every (rank, profiled step) partition of the run."""
-    acts = acts if acts is not None else activities(view)
+    acts = acts if acts is not None else view.activities
     if pairs is None:
         pairs = match_pairs(view)
     split = split_by_rank(*pairs, kernels=any(a.gpu for a in acts.values()))
-    windows = pipeline_windows(view)
-    # GPU ranks are partitioned on their GPU timeline: see gpu.py for why its step windows
-    gpu_windows = gpu_step_windows(view.events, set(view.steps) if view.steps else None) \
-        if any(a.gpu for a in acts.values()) else {}
+    windows = view.pipeline_windows
     untagged = untagged_p2p(view)
     out = []
-    for (rank, step), window in sorted(step_windows(view).items()):
+    # GPU ranks are partitioned on their GPU timeline (ingest/windows.py says why)
+    for (rank, step), window in sorted(view.step_windows.items()):
         act = acts.get(rank)
         if act is None:
             continue
@@ -119,7 +79,6 @@ def partition_run(view: RunView, acts: dict | None = None, pairs=None) -> list[S
         if rank in untagged:
             transfer = transfer | (untagged[rank] - wait)
         if act.gpu:
-            window = gpu_windows.get((rank, step), window)
             transfer = transfer | (act.p2p - wait)
         out.append(partition_step(act, step, window, windows.get(step), wait, transfer))
     return out
@@ -131,7 +90,7 @@ def breakdown_table(partitions: list[StepPartition]) -> pd.DataFrame:
     for p in partitions:
         row = {"rank": p.rank, "step": p.step, "time_s": p.wall_ns / 1e9}
         row.update({name: p.parts[name].total / 1e9 for name in PARTS})
-        row.update({f"hidden_{d}": p.hidden[d] / 1e9 for d in DIMS})
+        row.update({f"hidden_{d}": p.hidden[d] / 1e9 for d in COMM_DIMS})
         rows.append(row)
-    columns = ["rank", "step", "time_s", *PARTS, *(f"hidden_{d}" for d in DIMS)]
+    columns = ["rank", "step", "time_s", *PARTS, *(f"hidden_{d}" for d in COMM_DIMS)]
     return pd.DataFrame(rows, columns=columns)

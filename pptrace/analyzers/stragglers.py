@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .collectives import instance_waits
+from .collectives import instance_waits, step_end_rows
 
 COLUMNS = ("rank", "metric", "slowdown", "cost_s", "peers_wait_s")
 #: below these a difference is noise, not a straggler.
@@ -50,7 +50,7 @@ def _arrival_rows(inst: pd.DataFrame | None, n_steps: int, step_s: float) -> lis
     waits = instance_waits(inst)
     if waits.empty:
         return []
-    waits = waits[(waits["n"] > 1) & ~waits["name"].astype(str).str.contains("what=grad_norm")]
+    waits = waits[(waits["n"] > 1) & ~step_end_rows(waits["name"])]
     rows = []
     for rank, grp in waits.groupby("rank"):
         late = float(grp["late_ns"].sum()) / 1e9 / max(n_steps, 1)

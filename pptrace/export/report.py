@@ -5,19 +5,19 @@ them in order, selects ranks/steps and formats.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 
-from ..ingest.activity import DIMS
-from ..analyzers.partition import PARTS, activities, breakdown_table, partition_run, pipeline_windows
-from ..analyzers.collectives import collectives_by_dim, instances
-from ..analyzers.gpu_timeline import gpu_timeline
+from ..analyzers.partition import breakdown_table, partition_run
+from ..analyzers.collectives import collectives_by_dim
+from ..analyzers.gpu_timeline import gpu_timeline, is_launch_bound
 from ..analyzers.p2p import link_table, match_pairs
 from ..analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
-from ..ingest.runview import RunView, view_of
+from ..ingest.run import Run
 from ..analyzers.stragglers import find_stragglers
-from ..naming import KNOWN_KINDS
+from ..vocab import COMM_DIMS, PARTS, RANGE_KINDS
 
 SCHEMA = "pptrace.analysis/1"
 #: an alignment bound above this share of the mean step time makes cross-rank numbers shaky.
@@ -40,7 +40,7 @@ def _clean(value):
     return value
 
 
-def _select(view: RunView, steps, ranks) -> tuple[RunView, list[str]]:
+def _select(view: Run, steps, ranks) -> tuple[Run, list[str]]:
     warnings = []
     if steps is None:
         return view, warnings
@@ -49,10 +49,10 @@ def _select(view: RunView, steps, ranks) -> tuple[RunView, list[str]]:
     absent = sorted(set(wanted) - set(keep))
     if absent:
         warnings.append(f"requested steps {absent} were not profiled (profiled: {list(view.steps)})")
-    return RunView(**{**view.__dict__, "steps": tuple(keep)}), warnings
+    return replace(view, steps=tuple(keep)), warnings
 
 
-def _gpu_warnings(view: RunView, acts: dict, gpu: pd.DataFrame, contract: bool) -> list[str]:
+def _gpu_warnings(view: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> list[str]:
     """What a GPU trace could not tell, and the launch-bound hint."""
     warnings = []
     if not contract and len(gpu):
@@ -71,7 +71,7 @@ def _gpu_warnings(view: RunView, acts: dict, gpu: pd.DataFrame, contract: bool) 
     if len(gpu):
         mean = gpu.groupby("rank")[["time_s", "idle_s", "launch_bound_s", "host_launching_s"]].mean()
         for rank, row in mean.iterrows():
-            if row.idle_s >= 0.1 * row.time_s and row.launch_bound_s >= 0.5 * row.idle_s and row.idle_s > 0:
+            if is_launch_bound(row.idle_s, row.time_s, row.launch_bound_s):
                 warnings.append(
                     f"rank {rank} looks launch-bound: the GPU is idle {row.idle_s / row.time_s:.0%} of "
                     f"the step, {row.launch_bound_s / row.idle_s:.0%} of it waiting for the host to "
@@ -81,10 +81,10 @@ def _gpu_warnings(view: RunView, acts: dict, gpu: pd.DataFrame, contract: bool) 
     return warnings
 
 
-def _input_warnings(view: RunView, partitions, pairs_unmatched) -> list[str]:
+def _input_warnings(view: Run, partitions, pairs_unmatched) -> list[str]:
     ev = view.events
     warnings = []
-    contract = ev["kind"].isin(list(KNOWN_KINDS)) & (ev["lane_kind"] == "host")
+    contract = ev["kind"].isin(list(RANGE_KINDS)) & (ev["lane_kind"] == "host")
     gpu_run = ev["category"].isin(["kernel_compute", "kernel_comm"]).any()
     if not contract.any() and not gpu_run:
         warnings.append(
@@ -132,7 +132,7 @@ _GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_
                "memcpy_s", "memcpy_exposed_s", "idle_s", "launch_bound_s", "host_launching_s")
 
 
-def _rank_entries(view: RunView, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> list[dict]:
+def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> list[dict]:
     out = []
     for rank in view.ranks:
         if ranks is not None and rank not in ranks:
@@ -142,7 +142,7 @@ def _rank_entries(view: RunView, table: pd.DataFrame, ranks, gpu: pd.DataFrame) 
         steps = [{
             "step": int(row.step), "time_s": row.time_s,
             "breakdown_s": {part: getattr(row, part) for part in PARTS},
-            "hidden_s": {d: getattr(row, f"hidden_{d}") for d in DIMS},
+            "hidden_s": {d: getattr(row, f"hidden_{d}") for d in COMM_DIMS},
         } for row in mine.itertuples()]
         # GPU timeline (gpu.py): beside the partition, memcpy and idle apart, launch-bound
         on_gpu = gpu[gpu["rank"] == rank].set_index("step") if len(gpu) else gpu
@@ -154,7 +154,7 @@ def _rank_entries(view: RunView, table: pd.DataFrame, ranks, gpu: pd.DataFrame) 
         if len(mine):
             mean = {"time_s": mine["time_s"].mean(),
                     "breakdown_s": {part: mine[part].mean() for part in PARTS},
-                    "hidden_s": {d: mine[f"hidden_{d}"].mean() for d in DIMS}}
+                    "hidden_s": {d: mine[f"hidden_{d}"].mean() for d in COMM_DIMS}}
             if len(on_gpu):
                 mean["gpu"] = {k: on_gpu[k].astype(float).mean() for k in _GPU_FIELDS}
         out.append({
@@ -167,7 +167,7 @@ def _rank_entries(view: RunView, table: pd.DataFrame, ranks, gpu: pd.DataFrame) 
     return out
 
 
-def _microbatch_rows(view: RunView, ranks) -> list[dict]:
+def _microbatch_rows(view: Run, ranks) -> list[dict]:
     """Every forward/backward range: rank, stage, step, mb, chunk, op, start_s (from the
     step's pipeline window start, aligned clocks) and dur_s — per-microbatch detail."""
     times = microbatch_times(view)
@@ -175,25 +175,25 @@ def _microbatch_rows(view: RunView, ranks) -> list[dict]:
         times = times[times["rank"].isin(ranks)]
     if times.empty:
         return []
-    windows = pipeline_windows(view)
+    windows = view.pipeline_windows
     origin = times["step"].map({s: w[0] for s, w in windows.items()}).fillna(times.groupby("step")["start_ns"].transform("min"))
     times = times.assign(start_s=(times["start_ns"] - origin) / 1e9)
     return times[["rank", "stage", "step", "mb", "chunk", "op", "start_s", "dur_s"]].to_dict("records")
 
 
 def build_report(run, steps=None, ranks=None) -> dict:
-    """The contract-4 document for a loaded run (``pptrace.ingest.run.Run`` or a RunView).
+    """The contract-4 document for a loaded run (a ``pptrace.ingest.run.Run``).
     ``steps``/``ranks`` select what is reported; the pipeline window still spans every
     loaded rank, because a stage's bubble is defined against all stages."""
-    view, warnings = _select(view_of(run), steps, ranks)
+    view, warnings = _select(run, steps, ranks)
     ranks = None if ranks is None else [int(r) for r in ranks]
-    acts = activities(view)
+    acts = view.activities
     pairs, unmatched = match_pairs(view)
     partitions = partition_run(view, acts, (pairs, unmatched))
     table = breakdown_table(partitions)
     gpu = gpu_timeline(view.events, set(view.steps) if view.steps else None)
     n_steps = max(len(view.steps), 1)
-    inst = instances(view)
+    inst = view.collectives
     stages, pipe = pipeline_stages(view, partitions, bubble_split(view, partitions, pairs))
     sel_pairs = pairs[pairs["step"].isin(list(view.steps))] if view.steps else pairs
     if view.steps and inst is not None and len(inst):
@@ -226,7 +226,7 @@ def build_report(run, steps=None, ranks=None) -> dict:
         "collectives": collectives_by_dim(view, chosen, inst).to_dict("records"),
         "stragglers": find_stragglers(partitions, sel_pairs, inst).to_dict("records"),
         "warnings": [*view.warnings, *warnings, *_input_warnings(view, partitions, unmatched),
-                     *_gpu_warnings(view, acts, gpu, bool((view.events["kind"].isin(list(KNOWN_KINDS))
+                     *_gpu_warnings(view, acts, gpu, bool((view.events["kind"].isin(list(RANGE_KINDS))
                                                           & (view.events["lane_kind"] == "host")).any()))],
     }
     return _clean(report)
@@ -276,14 +276,14 @@ def print_report(report: dict, console) -> None:
             t.caption = "theory: unknown (no closed form for this schedule and no pass order to replay)"
         console.print(t)
     t = Table(title="Step time per rank (ms, mean over steps)")
-    for col in ("rank", "where", "step", *PARTS, *(f"{d} hidden" for d in DIMS)):
+    for col in ("rank", "where", "step", *PARTS, *(f"{d} hidden" for d in COMM_DIMS)):
         t.add_column(col, justify="right")
     for r in report["ranks"]:
         m = r["mean"]
         if m is None:
             continue
         t.add_row(str(r["rank"]), r.get("describe") or "", _ms(m["time_s"]),
-                  *(_ms(m["breakdown_s"][p]) for p in PARTS), *(_ms(m["hidden_s"][d]) for d in DIMS))
+                  *(_ms(m["breakdown_s"][p]) for p in PARTS), *(_ms(m["hidden_s"][d]) for d in COMM_DIMS))
     console.print(t)
     p2p = report["p2p"]
     if p2p["links"]:

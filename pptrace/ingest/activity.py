@@ -23,13 +23,11 @@ import numpy as np
 import pandas as pd
 
 from .schema import tags_of
-from .nccl import is_p2p_collective
+from .nccl import group_members, is_p2p_collective
 from .projection import gpu_extent
 from .intervals import Intervals, union
+from ..vocab import COMM_DIMS, LAYOUT_DIMS, collective_key, is_step_end
 
-DIMS = ("tp", "cp", "dp", "ep")
-#: the step-final collective over all ranks (gradient clipping's norm); DESIGN contract 3.
-STEP_FINAL_TAG = ("what", "grad_norm")
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
 
 
@@ -47,13 +45,6 @@ class Activity:
 
 def _host_ranges(ev: pd.DataFrame) -> pd.DataFrame:
     return ev[(ev["lane_kind"] == "host") & ~ev["gpu_annotation"] & ev["kind"].notna()]
-
-
-def _is_step_final(tags_json) -> bool:
-    # cheap pre-check: most ranges have no tags or other tags
-    if not isinstance(tags_json, str) or STEP_FINAL_TAG[1] not in tags_json:
-        return False
-    return tags_of(tags_json).get(STEP_FINAL_TAG[0]) == STEP_FINAL_TAG[1]
 
 
 def _identity(row, tags: dict) -> tuple:
@@ -74,7 +65,7 @@ def _async_spans(ranges: pd.DataFrame) -> list[tuple]:
         launches.setdefault(_identity(row, tags), []).append(row.start_ns)
     spans, previous = [], {}
     for row in waits.sort_values("start_ns").itertuples():
-        if row.kind not in DIMS:
+        if row.kind not in COMM_DIMS:
             continue
         key = _identity(row, tags_of(row.tags))
         starts = np.asarray(launches.get(key, []), dtype=np.int64)
@@ -82,12 +73,12 @@ def _async_spans(ranges: pd.DataFrame) -> list[tuple]:
         posted = starts[(starts > lo) & (starts <= row.start_ns)]
         previous[key] = row.start_ns
         if len(posted):
-            spans.append((row.kind, int(posted.min()), int(row.end_ns), _is_step_final(row.tags)))
+            spans.append((row.kind, int(posted.min()), int(row.end_ns), is_step_end(row.tags)))
     return spans
 
 
 def _family(name: str) -> str:
-    base = name.split("::")[-1].split(":")[-1].strip("_").replace("_", "").lower()
+    base = collective_key(name)
     for fam, words in (("all_reduce", ("allreduce", "reducescatter")), ("all_gather", ("allgather",)),
                        ("all_to_all", ("alltoall",)), ("broadcast", ("broadcast",))):
         if any(base.startswith(w) for w in words):
@@ -110,7 +101,7 @@ def _worker_spans(ev: pd.DataFrame, ranges: pd.DataFrame) -> list[tuple]:
     contract = ranges[ranges["category"].astype(str).str.startswith(("comm:", "wait", "compute", "p2p"))]
     cs, ce = contract["start_ns"].to_numpy(), contract["end_ns"].to_numpy()
     ckind, ccat = contract["kind"].astype(str).to_numpy(), contract["category"].astype(str).to_numpy()
-    cfinal = np.array([_is_step_final(t) for t in contract["tags"]], dtype=bool)
+    cfinal = np.array([is_step_end(t) for t in contract["tags"]], dtype=bool)
     queues: dict = {}
     for r in enq.sort_values("start_ns").itertuples():
         queues.setdefault(_family(str(r.name)), []).append(int(r.start_ns))
@@ -128,7 +119,7 @@ def _worker_spans(ev: pd.DataFrame, ranges: pd.DataFrame) -> list[tuple]:
             continue
         inner = inside[np.argmax(cs[inside])]  # nested ranges: the latest start is innermost
         if ccat[inner].startswith("comm:") or ccat[inner] == "wait":
-            if ckind[inner] in DIMS:
+            if ckind[inner] in COMM_DIMS:
                 spans.append((ckind[inner], int(row.start_ns), int(row.end_ns), bool(cfinal[inner])))
     return spans
 
@@ -168,13 +159,6 @@ _DESC_WORDS = (  # pg_desc words -> dim; Megatron's group_desc names first, chec
 )
 
 
-def _members(group_ranks) -> list[int]:
-    try:
-        return sorted(int(x) for x in str(group_ranks).strip("[]() ").split(",") if x.strip())
-    except ValueError:
-        return []
-
-
 def dim_of_desc(desc) -> str | None:
     """``pg_desc`` of distributedInfo.pg_config -> dim, or None when it does not say (one
     group named after two dims, like Megatron's TENSOR_AND_DATA_PARALLEL_GROUP, says nothing)."""
@@ -196,12 +180,11 @@ def _gpu_dim(group_ranks, rank: int, layout, collective=None, pg_name=None, grou
             return dim, True
         if group_ranks is None or pd.isna(group_ranks):
             group_ranks = group.get("ranks")
-    members = _members(group_ranks) if group_ranks is not None and not (
-        isinstance(group_ranks, float) and pd.isna(group_ranks)) else []
-    for dim in ("tp", "cp", "dp"):
-        if layout.size(dim) > 1 and rank < layout.world_size and sorted(layout.group_ranks(dim, rank)) == members:
+    members = group_members(group_ranks)
+    for dim in (d for d in COMM_DIMS if d in LAYOUT_DIMS):  # ep has no layout group
+        if layout.size(dim) > 1 and rank < layout.world_size and tuple(sorted(layout.group_ranks(dim, rank))) == members:
             return dim, True
-    fam = str(collective).replace("_", "").lower() if isinstance(collective, str) else ""
+    fam = collective_key(collective) if isinstance(collective, str) else ""
     return ("ep" if fam.startswith("alltoall") else "dp"), False
 
 
@@ -218,7 +201,7 @@ def _is_p2p_kernel(names: pd.Series, collectives: pd.Series) -> np.ndarray:
 def _annotation_dims(ev: pd.DataFrame) -> list[tuple]:
     """(dim, stream, start, end) of contract communication ranges projected on GPU streams
     (gpu_user_annotation): the kernels inside run that dim's communication."""
-    ann = ev[ev["gpu_annotation"] & ev["kind"].isin(list(DIMS)) & ev["category"].astype(str).str.startswith(("comm:", "wait"))]
+    ann = ev[ev["gpu_annotation"] & ev["kind"].isin(list(COMM_DIMS)) & ev["category"].astype(str).str.startswith(("comm:", "wait"))]
     return [(str(r.kind), r.stream, int(r.start_ns), int(r.end_ns)) for r in ann.itertuples()]
 
 
@@ -227,8 +210,8 @@ def rank_activity(ev: pd.DataFrame, rank: int, layout, groups: dict | None = Non
     names to {"desc", "ranks"} (distributedInfo.pg_config), when the trace has them."""
     ranges = _host_ranges(ev)
     kernels = ev[ev["category"].isin(["kernel_compute", "kernel_comm"])]
-    comm_parts = {d: ([], []) for d in DIMS}
-    final_parts = {d: ([], []) for d in DIMS}
+    comm_parts = {d: ([], []) for d in COMM_DIMS}
+    final_parts = {d: ([], []) for d in COMM_DIMS}
 
     def add(dim, s, e, final):
         target = final_parts if final else comm_parts
@@ -264,21 +247,14 @@ def rank_activity(ev: pd.DataFrame, rank: int, layout, groups: dict | None = Non
     marked = ranges[ranges["category"].astype(str).str.startswith("comm:") | (ranges["category"] == "wait")]
     starts, ends, _ = gpu_extent(ev, marked) if gpu else (marked["start_ns"], marked["end_ns"], None)
     for row, s, e in zip(marked.itertuples(), starts, ends):
-        if row.kind in DIMS:
-            add(row.kind, int(s), int(e), _is_step_final(row.tags))
+        if row.kind in COMM_DIMS:
+            add(row.kind, int(s), int(e), is_step_end(row.tags))
     for dim, s, e, final in _async_spans(ranges) + ([] if gpu else _worker_spans(ev, ranges)):
         add(dim, s, e, final)
     return Activity(
         rank=rank,
         compute=compute,
-        comm={d: union(*comm_parts[d]) for d in DIMS},
-        step_final={d: union(*final_parts[d]) for d in DIMS},
+        comm={d: union(*comm_parts[d]) for d in COMM_DIMS},
+        step_final={d: union(*final_parts[d]) for d in COMM_DIMS},
         gpu=gpu, p2p=p2p, memcpy=memcpy, unknown_groups=unknown,
     )
-
-
-def gpu_p2p_kernels(ev: pd.DataFrame) -> Intervals:
-    """NCCL point-to-point kernels (GPU traces): transfer and wait cannot be told apart."""
-    nccl = ev[ev["category"] == "kernel_comm"]
-    m = _is_p2p_kernel(nccl["name"], nccl["collective"])
-    return union(nccl.loc[m, "start_ns"].to_numpy(), nccl.loc[m, "end_ns"].to_numpy())

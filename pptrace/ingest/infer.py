@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from itertools import permutations
 
 import numpy as np
 import pandas as pd
@@ -49,7 +48,8 @@ from pandas.api.types import union_categoricals
 
 from .intervals import union
 from .schema import tags_of
-from ..topology import DIMS, Layout
+from ..topology import Layout
+from ..vocab import BWD, FWD, GPIPE, INTERLEAVED, LAYOUT_ORDERS, ONE_F_ONE_B, OP_OF_ACTION
 
 _PASS = re.compile(r"^PP:(\d+)([FBIW])(\d+)$")
 _PP_P2P = re.compile(r"^PP:(\d+)(SEND|RECV)_([FB])(\d+)$")
@@ -59,7 +59,6 @@ _GPIPE = re.compile(r"^(Forward|Backward) (\d+)$")
 _POSTS = {"c10d::send": True, "c10d::recv_": False}
 _WIRES = {"gloo:send": True, "gloo:recv": False}
 _AUTOGRAD = "autograd::engine::evaluate_function"
-_OPS = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
 _DIR = {"F": "fwd", "B": "bwd"}
 #: pg_desc of a process group -> the dim it spans (Megatron's group names, DeviceMesh's)
 _GROUP_DESC = {
@@ -365,8 +364,7 @@ def _layout(stage_of: dict, pp: int, world: int, metas: dict, out: Inference) ->
         out.warnings.append(f"pipeline of {pp} stages does not divide the world of {world} ranks; layout not inferred")
         return None
     dp = world // (pp * tp * cp)
-    orders = ["tp-cp-dp-pp", *("-".join(o) for o in permutations(DIMS))]  # Megatron's default first
-    for order in orders:
+    for order in LAYOUT_ORDERS:
         layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order)
         if all(layout.coords(r).pp == s for r, s in stage_of.items() if r < world) and all(
                 sorted(layout.group_ranks(d, r)) == sorted(g)
@@ -457,7 +455,7 @@ def _named_passes(rows: pd.DataFrame, work: pd.DataFrame, pp: int) -> pd.DataFra
     stage = named["stage"].to_numpy(np.int64)
     return pd.DataFrame({
         "rank": rank, "pid": named["pid"].to_numpy(), "tid": named["tid"].to_numpy(), "step": named["step"].to_numpy(),
-        "start_ns": start, "end_ns": np.maximum(end, start), "op": named["act"].map(_OPS).to_numpy(object),
+        "start_ns": start, "end_ns": np.maximum(end, start), "op": named["act"].map(OP_OF_ACTION).to_numpy(object),
         "mb": named["mb"].to_numpy(np.int64), "chunk": np.where(stage >= 0, stage // max(pp, 1), 0),
     })[_PASS_COLUMNS]
 
@@ -578,7 +576,6 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
         r_iv, r_auto, first_in_iv, last_in_iv = runs["iv"], runs["auto"], runs["first_in_iv"], runs["last_in_iv"]
     r_first, r_last = runs["first"], runs["last"]
     send_next = fwd_next[r_iv + 1] & (cut_k[r_iv + 1] != 3)
-    next_auto = np.r_[r_auto[1:], False] & ~last_in_iv
     # a forward that hands its output to a send posted next is sure; other runs of ops may
     # be forwards too (the last stage's, right before its backward; a forward whose send
     # comes later, as with Megatron's overlap_p2p_comm) or bookkeeping: settled by count in
@@ -592,7 +589,7 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
     return pd.DataFrame({
         "rank": rank, "pid": int(work["pid"].iloc[0]), "tid": int(work["tid"].iloc[0]),
         "step": _step_of(steps, r_first[sel]), "start_ns": r_first[sel], "end_ns": r_last[sel],
-        "op": np.where(r_auto[sel], "bwd", "fwd"), "chunk": 0, "unsure": unsure[sel],
+        "op": np.where(r_auto[sel], BWD, FWD), "chunk": 0, "unsure": unsure[sel],
     })
 
 
@@ -683,8 +680,8 @@ def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict):
     groups = {k: g.index.to_numpy() for k, g in order.groupby(["rank", "step"])}
     seqs = {k: "".join("F" if o == "fwd" else "B" for o in order.loc[idx, "op"]) for k, idx in groups.items()}
     n_f = max(seq.count("F") for seq in seqs.values())
-    candidates = [("1f1b", 1), ("gpipe", 1)]
-    candidates += [("interleaved", v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
+    candidates = [(ONE_F_ONE_B, 1), (GPIPE, 1)]
+    candidates += [(INTERLEAVED, v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
     for name, v in candidates:
         m = n_f // v
         try:

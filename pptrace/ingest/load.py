@@ -238,28 +238,49 @@ def _normalize_header(header: dict, path: Path) -> dict:
     return header
 
 
+def _head_and_tail(path: Path) -> bytes | None:
+    """The first and the last ``_HEADER_PEEK`` bytes of the (decompressed) trace joined at
+    the events array's opening bracket, or the whole document when it is that small: what
+    :func:`_locate_events` needs to see the metadata on both sides of ``traceEvents``
+    (pptrace's own traces carry the pptrace block before the events; Kineto writes its
+    top-level metadata after them). The events between are streamed past, never parsed."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        head = fh.read(_HEADER_PEEK)
+        tail = fh.read(_HEADER_PEEK)
+        if len(tail) < _HEADER_PEEK:
+            return head + tail
+        while True:  # keep only the last window: bounded memory on any trace size
+            more = fh.read(_HEADER_PEEK)
+            if not more:
+                break
+            tail = tail[len(more):] + more if len(more) < _HEADER_PEEK else more
+    key = head.find(_EVENTS_KEY)
+    bracket = head.find(b"[", key) if key >= 0 else -1
+    if bracket < 0:
+        return None
+    return head[: bracket + 1] + tail
+
+
 def read_header(path) -> dict:
     """The top-level metadata of a trace (distributedInfo, pptrace block, baseTimeNanoseconds,
-    ...) without building the events table. Kineto writes it before the events, so usually
-    only the first kilobytes are decompressed."""
+    ...) wherever it sits, before or after ``traceEvents``, without building the events
+    table. The one reader of headers: :func:`load_rank` gets its header from the same
+    :func:`_locate_events` split of the whole document."""
     path = Path(path)
     try:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rb") as fh:
-            prefix = fh.read(_HEADER_PEEK)
+        ends = _head_and_tail(path)
     except (OSError, EOFError, zlib.error):
-        prefix = b""
-    key = prefix.find(_EVENTS_KEY)
-    if key >= 0:
-        bracket = prefix.find(b"[", key)
-        if bracket >= 0:
-            try:
-                header = orjson.loads(prefix[:bracket] + b"[]}")
-                if isinstance(header, dict):
-                    return _normalize_header(header, path)
-            except orjson.JSONDecodeError:
-                pass
-    header, _, _ = parse_document(path)
+        ends = None
+    located = _locate_events(ends) if ends else None
+    if located is not None and located[2] is not None:
+        try:
+            header = orjson.loads(located[0])
+            if isinstance(header, dict):
+                return _normalize_header(header, path)
+        except orjson.JSONDecodeError:
+            pass
+    header, _, _ = parse_document(path)  # odd layouts, truncated or corrupt files
     return _normalize_header(header, path)
 
 

@@ -9,24 +9,24 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .nccl import is_p2p_collective
+from . import exchanges
+from .nccl import group_members, is_p2p_collective
 from .projection import gpu_extent
 from ..topology import Layout
+from ..vocab import COMM_DIMS, KIND_GROUP_DIMS, is_step_end
 
 PAIR_COLUMNS = (
     "kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "bytes",
     "send_index", "recv_index", "send_start_ns", "send_end_ns", "recv_start_ns", "recv_end_ns",
-    "wait_ns", "transfer_ns",
+    *exchanges.TIMED_COLUMNS,
 )
 INSTANCE_COLUMNS = (
     "instance", "source", "kind", "op", "name", "step", "group", "group_size", "n_present",
     "complete", "rank", "index", "arrive_ns", "leave_ns",
 )
-#: Which layout dimensions a collective of each kind spans. Megatron syncs gradients over
-#: the data-parallel group *with* context parallelism, so dp collectives span dp x cp.
-KIND_DIMS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp"), "ep": ("dp",), "pp": ("pp",)}
-#: Tags that mark a collective over all ranks whatever its kind (the grad-norm all-reduce).
-WORLD_TAGS = ('"what":"grad_norm"', '"group":"world"')
+#: A user's own collective over all ranks whatever its kind (tag group=world), beside the
+#: step-end one (vocab.STEP_END_TAGS).
+_WORLD_GROUP = '"group":"world"'
 _P2P_KINDS = ("pp", "cp")
 # group: the NCCL process group of inferred ops ("" for contract ranges, which carry none)
 _KEY = ["kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "group"]
@@ -72,13 +72,16 @@ def _pair_by(sends: pd.DataFrame, recvs: pd.DataFrame, key: list) -> pd.DataFram
     return sends.merge(recvs, on=[*key, "occ"], suffixes=("_s", "_r"))
 
 
-def match_p2p(events: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+def match_p2p(events: pd.DataFrame, timed: bool = True) -> tuple[pd.DataFrame, list[str]]:
     """Pair every send with its recv -> (pairs with PAIR_COLUMNS, warnings).
 
     Key: (kind, src, dst, direction, mb, chunk, ring step, layer, profiler step) plus the
     order of occurrence of that key. Ranges the first pass leaves unmatched are tried again
     without chunk, in case a trainer tags the sender's chunk on one side and the
     receiver's on the other (they differ where the interleaved ring wraps around).
+    Wait, transfer and exchanges come from exchanges.wait_transfer on the clocks of
+    ``events``; ``timed=False`` leaves them out, for a caller that moves the times to other
+    clocks first (the loader: shift_pairs adds them on the aligned clocks).
     """
     ops = p2p_ops(events)
     sends, recvs = ops[ops["is_send"]], ops[~ops["is_send"]]
@@ -98,14 +101,15 @@ def match_p2p(events: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     pairs = pd.DataFrame({
         "kind": m["kind"], "src": m["src"], "dst": m["dst"], "direction": m["direction"],
         "mb": m["mb"], "chunk": m["chunk"], "ring_step": m["ring_step"], "layer": m["layer"],
-        "step": m["step"], "bytes": m["bytes_s"],
+        "step": m["step"],
+        "bytes": np.maximum(m["bytes_s"], m["bytes_r"]),  # a side without a size tag takes the other's
         "send_index": m["index_s"], "recv_index": m["index_r"],
         "send_start_ns": m["start_ns_s"], "send_end_ns": m["end_ns_s"],
         "recv_start_ns": m["start_ns_r"], "recv_end_ns": m["end_ns_r"],
     })
-    pairs["wait_ns"] = np.maximum(0, pairs["send_start_ns"] - pairs["recv_start_ns"])
-    pairs["transfer_ns"] = pairs["recv_end_ns"] - np.maximum(pairs["send_start_ns"], pairs["recv_start_ns"])
     pairs = pairs.sort_values(["send_start_ns", "send_index"], kind="stable").reset_index(drop=True)
+    if timed:
+        pairs = _timed(pairs, pd.concat([rest_s, rest_r]), events)
     warnings = []
     sizes = m[(m["bytes_s"] > 0) & (m["bytes_r"] > 0) & (m["bytes_s"] != m["bytes_r"])]
     if len(sizes):  # pairing by order went wrong somewhere (NCCL ops carry nelems x dtype)
@@ -124,7 +128,13 @@ def match_p2p(events: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
                 f"src {row['src']} -> dst {row['dst']} mb={row['mb']} step {row['step']}); "
                 "a peer's trace may be missing or cover other steps"
             )
-    return pairs[list(PAIR_COLUMNS)], warnings
+    return pairs[[c for c in PAIR_COLUMNS if c in pairs.columns]], warnings
+
+
+def _timed(pairs: pd.DataFrame, free: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
+    """``pairs`` with exchanges.TIMED_COLUMNS on the clocks of ``events``; ``free``: the p2p
+    ranges (p2p_ops rows) no pair holds."""
+    return exchanges.wait_transfer(pairs, free, exchanges.busy_intervals(events), exchanges.on_gpu(events))
 
 
 # -------------------------------------------------------------------------------------------
@@ -132,9 +142,9 @@ def match_p2p(events: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
 # -------------------------------------------------------------------------------------------
 def group_of(kind: str, tags_json, rank: int, layout: Layout) -> tuple[int, ...]:
     """The ranks a contract collective of ``kind`` on ``rank`` spans."""
-    if isinstance(tags_json, str) and any(t in tags_json for t in WORLD_TAGS):
+    if isinstance(tags_json, str) and (is_step_end(tags_json) or _WORLD_GROUP in tags_json):
         return tuple(range(layout.world_size))
-    dims = KIND_DIMS.get(kind, ("dp",))
+    dims = KIND_GROUP_DIMS.get(kind, ("dp",))
     ranks = {rank}
     for dim in dims:
         ranks = {r2 for r in ranks for r2 in layout.group_ranks(dim, r)}
@@ -164,13 +174,13 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
     (long table, one row per (instance, rank), INSTANCE_COLUMNS; warnings).
 
     Host ranges of kinds tp/cp/dp/ep that are not p2p and not waits (group from the layout
-    via KIND_DIMS, or all ranks for the grad-norm all-reduce), and on GPU traces the NCCL
+    via KIND_GROUP_DIMS, or all ranks for the step-end all-reduce), and on GPU traces the NCCL
     collective kernels (group from their "Process Group Ranks"). An instance lacking a rank
     that was loaded is reported as a warning, never dropped silently.
     """
     loaded = set(int(r) for r in (ranks if ranks is not None else events["rank"].unique()))
     host = (
-        events["kind"].isin(["tp", "cp", "dp", "ep"]) & (events["lane_kind"] == "host")
+        events["kind"].isin(list(COMM_DIMS)) & (events["lane_kind"] == "host")
         & ~events["gpu_annotation"] & (events["op"] != "wait")
     ).to_numpy()
     ev = events[host]
@@ -195,7 +205,7 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
     p2p = [c for c in nccl["collective"].astype("category").cat.categories if is_p2p_collective(c)]
     nccl = nccl[~nccl["collective"].isin(p2p).to_numpy()]  # send/recv kernels pair as p2p instead
     if len(nccl):
-        group = nccl["group_ranks"].astype(str).map(_parse_ranks)
+        group = nccl["group_ranks"].astype(str).map(group_members)
         ok = group.map(bool).to_numpy()
         nccl, group = nccl[ok], group[ok]
         coll = nccl["collective"].astype(str)
@@ -214,13 +224,6 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
         out["instance"] = out.groupby(["source", "instance"], sort=False).ngroup()
     warnings = _incomplete_warnings(out, loaded)
     return out.sort_values(["instance", "rank"], kind="stable").reset_index(drop=True), warnings
-
-
-def _parse_ranks(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(sorted(int(x) for x in text.strip("[] ").split(",") if x.strip()))
-    except ValueError:
-        return ()
 
 
 def _incomplete_warnings(out: pd.DataFrame, loaded: set) -> list[str]:
@@ -244,16 +247,18 @@ def _incomplete_warnings(out: pd.DataFrame, loaded: set) -> list[str]:
     return warnings
 
 
-def shift_pairs(pairs: pd.DataFrame, offsets: dict) -> pd.DataFrame:
-    """Pairs on other clocks: subtract each side's rank offset (rank -> ns) from its times."""
+def shift_pairs(pairs: pd.DataFrame, offsets: dict, events: pd.DataFrame) -> pd.DataFrame:
+    """Pairs on other clocks: subtract each side's rank offset (rank -> ns) from its times;
+    wait, transfer and exchanges on those clocks, those of ``events``."""
     out = pairs.copy()
     src = out["src"].map(offsets).fillna(0).astype(np.int64).to_numpy()
     dst = out["dst"].map(offsets).fillna(0).astype(np.int64).to_numpy()
     for column, shift in (("send_start_ns", src), ("send_end_ns", src), ("recv_start_ns", dst), ("recv_end_ns", dst)):
         out[column] = out[column].to_numpy(np.int64) - shift
-    out["wait_ns"] = np.maximum(0, out["send_start_ns"] - out["recv_start_ns"])
-    out["transfer_ns"] = out["recv_end_ns"] - np.maximum(out["send_start_ns"], out["recv_start_ns"])
-    return out.sort_values(["send_start_ns", "send_index"], kind="stable").reset_index(drop=True)
+    out = out.sort_values(["send_start_ns", "send_index"], kind="stable").reset_index(drop=True)
+    ops = p2p_ops(events)
+    free = ops[~ops["index"].isin(np.concatenate([out["send_index"], out["recv_index"]]))]
+    return _timed(out, free, events)[list(PAIR_COLUMNS)]
 
 
 def shift_instances(instances: pd.DataFrame, offsets: dict) -> pd.DataFrame:

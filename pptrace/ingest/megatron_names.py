@@ -41,24 +41,25 @@ from __future__ import annotations
 import re
 
 from ..naming import RangeName
+from ..vocab import BWD, BWD_WEIGHT, FWD, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
 
 #: P2PCommunicator method -> contract ops, in the order Megatron posts them.
 P2P_OPS = {
-    "recv_forward": ("recv_fwd",),
-    "recv_backward": ("recv_bwd",),
-    "send_forward": ("send_fwd",),
-    "send_backward": ("send_bwd",),
-    "send_forward_recv_backward": ("send_fwd", "recv_bwd"),
-    "send_backward_recv_forward": ("send_bwd", "recv_fwd"),
-    "send_forward_recv_forward": ("send_fwd", "recv_fwd"),
-    "send_backward_recv_backward": ("send_bwd", "recv_bwd"),
-    "send_forward_backward_recv_forward_backward": ("send_fwd", "send_bwd", "recv_fwd", "recv_bwd"),
+    "recv_forward": (RECV_FWD,),
+    "recv_backward": (RECV_BWD,),
+    "send_forward": (SEND_FWD,),
+    "send_backward": (SEND_BWD,),
+    "send_forward_recv_backward": (SEND_FWD, RECV_BWD),
+    "send_backward_recv_forward": (SEND_BWD, RECV_FWD),
+    "send_forward_recv_forward": (SEND_FWD, RECV_FWD),
+    "send_backward_recv_backward": (SEND_BWD, RECV_BWD),
+    "send_forward_backward_recv_forward_backward": (SEND_FWD, SEND_BWD, RECV_FWD, RECV_BWD),
 }
 SCHEDULE_PHASES = ("warmup", "steady", "cooldown", "misc")
 #: ScheduleNode names that compute, and those that are expert-parallel all-to-all.
 COMPUTE_NODES = ("attn", "mlp", "mtp_post_process", "pre_process", "post_process", "loss_func")
 EP_NODES = ("moe_dispatch", "moe_combine")
-_NODE_PASSES = {"forward": "fwd", "backward": "bwd", "wgrad": "bwd_weight"}
+_NODE_PASSES = {"forward": FWD, "backward": BWD, "wgrad": BWD_WEIGHT}
 
 _P2P = re.compile(r"^megatron\.core\.pipeline_parallel\.p2p_communication\.(\w+)$")
 _PHASE = re.compile(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..vocab import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, collective_key
+
 #: columns filled on a kernel from its launching record_param_comms when the kernel lacks them
 FIELDS = ("collective", "group_ranks", "pg_name", "in_nelems", "out_nelems", "dtype", "comm_seq")
 _P2P = frozenset({"send", "recv", "isend", "irecv", "sendrecv", "batchisendirecv", "p2p"})
@@ -21,8 +23,17 @@ def is_p2p_collective(collective) -> bool:
     """``send``/``recv``/``batch_isend_irecv`` and friends: point-to-point, not a collective."""
     if not isinstance(collective, str):
         return False
-    base = collective.split(":")[-1].lower().replace("_", "")
+    base = collective_key(collective)
     return base in _P2P or base.startswith(("send", "recv"))
+
+
+def group_members(group_ranks) -> tuple[int, ...]:
+    """A "Process Group Ranks" value (``"[0, 1, 2]"``, or pg_config's list) as sorted global
+    ranks; () when null or unreadable."""
+    try:
+        return tuple(sorted(int(x) for x in str(group_ranks).strip("[]() ").split(",") if x.strip()))
+    except ValueError:
+        return ()
 
 
 def _op_of(name: str) -> str | None:
@@ -120,8 +131,8 @@ def _p2p_side(collective: pd.Series) -> np.ndarray:
     """"send" / "recv" / "" per row of a categorical "Collective name" column (decided once
     per category, not per row)."""
     cats = collective.cat.categories
-    side = np.array([c.strip('"').lower() if isinstance(c, str) and c.strip('"').lower() in ("send", "recv")
-                     else "" for c in cats] + [""], dtype=object)
+    keys = [collective_key(c) if isinstance(c, str) else "" for c in cats]
+    side = np.array([k if k in ("send", "recv") else "" for k in keys] + [""], dtype=object)
     return side[collective.cat.codes.to_numpy()]  # code -1 (null) takes the last entry
 
 
@@ -155,7 +166,7 @@ def _peers(ops: pd.DataFrame, rank: int, is_send: np.ndarray) -> np.ndarray:
         groups = ops["group_ranks"].astype("category")
         other = np.full(len(groups.cat.categories) + 1, np.nan)  # per distinct group; last: null
         for k, text in enumerate(groups.cat.categories):
-            members = [int(x) for x in str(text).strip("[]() ").split(",") if x.strip().isdigit()]
+            members = group_members(text)
             if len(members) == 2 and rank in members:
                 other[k] = members[1 - members.index(rank)]
         peer[missing] = other[groups.cat.codes.to_numpy()[missing]]
@@ -265,7 +276,7 @@ def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) ->
         return 0
     rows = ops.index.to_numpy()
     forward = np.where(is_send, peer > rank, peer < rank)
-    op = np.where(is_send, np.where(forward, "send_fwd", "send_bwd"), np.where(forward, "recv_fwd", "recv_bwd"))
+    op = np.where(is_send, np.where(forward, SEND_FWD, SEND_BWD), np.where(forward, RECV_FWD, RECV_BWD))
     nelems = ops["in_nelems"].fillna(ops["out_nelems"]).astype("Float64").to_numpy(np.float64, na_value=np.nan)
     dtype = ops["dtype"].astype("category")
     per_dtype = np.array([_itemsize(d) or np.nan for d in dtype.cat.categories] + [np.nan], dtype=np.float64)

@@ -8,33 +8,45 @@ as long as one rank loads; a run with nothing usable raises TraceError.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import pandas as pd
 
-from . import align, infer, match
+from . import align, infer, match, windows
+from .activity import rank_activity
 from ..errors import TraceError
 from .columnar import frame_from_tables
 from .load import find_trace_files, load_ranks, rank_of, read_header
 from ..topology import Layout
+from .windows import profiled_steps
 
 #: Ranks of one run start their profiled window within seconds of each other; traces whose
 #: first events lie further apart than this come from different runs.
 MAX_START_SPREAD_NS = 600 * 10**9
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Run:
-    path: Path
+    """One profiled run, the single object every analysis, what-if and export reads.
+
+    Frozen: analyses are pure functions of it. What several of them need (step and
+    pipeline windows, per-rank activity) is derived once, on first use, and cached on the
+    object (``functools.cached_property``); a run with other steps is a new Run
+    (``dataclasses.replace``), with nothing stale carried over. Built by :func:`load_run`
+    from trace files, or by :meth:`from_events` from an events table (tests, tools).
+    """
+
     events: pd.DataFrame                 # aligned; raw_start_ns/raw_end_ns keep each rank's clock
     layout: Layout
-    meta: dict                           # rank -> per-rank meta (see load.load_rank)
-    ranks: list
-    steps: list
-    pairs: pd.DataFrame                  # match.PAIR_COLUMNS, aligned times
-    collectives: pd.DataFrame            # match.INSTANCE_COLUMNS, aligned times
-    offsets: pd.DataFrame                # align.OFFSET_COLUMNS
-    warnings: list = field(default_factory=list)
+    ranks: tuple                         # ranks with a loaded trace
+    steps: tuple                         # profiled steps the results cover
+    path: Path | None = None
+    meta: dict = field(default_factory=dict)   # rank -> per-rank meta (see load.load_rank)
+    pairs: pd.DataFrame | None = None    # match.PAIR_COLUMNS, aligned times
+    collectives: pd.DataFrame | None = None    # match.INSTANCE_COLUMNS, aligned times
+    offsets: pd.DataFrame | None = None  # align.OFFSET_COLUMNS
+    warnings: tuple = ()
     schedule: str | None = None
     microbatches: int | None = None
     vpp: int | None = None
@@ -43,14 +55,121 @@ class Run:
     #: the traces said it all (pptrace.ingest.infer)
     inferred: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        missing = {"rank", "lane_kind", "start_ns", "end_ns", "category"} - set(self.events.columns)
+        if missing:
+            raise ValueError(f"events table lacks columns {sorted(missing)}")
+        if self.vpp is not None and self.vpp < 1:
+            raise ValueError(f"vpp must be >= 1, got {self.vpp!r}")
+        # lists and other sequences given by callers become tuples: a frozen run stays frozen
+        for name in ("ranks", "steps", "warnings"):
+            object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+
+    @classmethod
+    def from_events(cls, events: pd.DataFrame, layout: Layout, **kwargs) -> "Run":
+        """A run of an events table built by hand (tests, or one loaded with load_rank):
+        its ranks are those in the table, its steps those with a ProfilerStep range, its
+        p2p pairs and collective instances matched as the loader matches them (the clocks
+        are taken as they are: no alignment)."""
+        ranks = tuple(sorted(int(r) for r in events["rank"].unique()))
+        steps = kwargs.pop("steps", None)
+        if steps is None:
+            steps = profiled_steps(events)
+        if kwargs.get("pairs") is None:
+            kwargs["pairs"] = match.match_p2p(events)[0]
+        if kwargs.get("collectives") is None:
+            kwargs["collectives"] = match.match_collectives(events, layout, ranks)[0]
+        return cls(events=events, layout=layout, ranks=ranks, steps=tuple(steps), **kwargs)
+
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    @property
+    def v(self) -> int:
+        return int(self.vpp or 1)
 
     def describe(self, rank: int) -> str:
         if rank < self.layout.world_size:
             return f"rank {rank} · {self.layout.describe(rank)}"
         return f"rank {rank}"
+
+    # -- what the traces' metadata says (contract 2) ----------------------------------------
+    def _blocks(self) -> dict:
+        return {int(r): m["pptrace"] for r, m in self.meta.items()
+                if isinstance(m, dict) and isinstance(m.get("pptrace"), dict)}
+
+    @cached_property
+    def has_pptrace(self) -> bool:
+        """Whether the traces carry the pptrace metadata block (a hand-built run: yes)."""
+        return bool(self._blocks()) or not self.meta
+
+    @cached_property
+    def process_groups(self) -> dict:
+        """rank -> {pg_name: {"desc", "ranks"}} from each rank's distributedInfo.pg_config."""
+        out = {}
+        for rank, m in self.meta.items():
+            config = ((m or {}).get("distributed") or {}).get("pg_config") if isinstance(m, dict) else None
+            if isinstance(config, list):
+                out[int(rank)] = {
+                    str(g.get("pg_name")): {"desc": g.get("pg_desc"), "ranks": g.get("ranks")}
+                    for g in config if isinstance(g, dict) and g.get("pg_name") is not None
+                }
+        return out
+
+    @cached_property
+    def pipeline_actions(self) -> dict:
+        """rank -> its recorded action order [(op, global stage, mb)] (integrations)."""
+        return {r: b["pipeline_actions"] for r, b in self._blocks().items()
+                if isinstance(b.get("pipeline_actions"), list)}
+
+    @cached_property
+    def stage_ranks(self) -> tuple | None:
+        """global stage -> global rank, when an integration recorded it."""
+        for _, block in sorted(self._blocks().items()):
+            if isinstance(block.get("stage_ranks"), list):
+                return tuple(int(r) for r in block["stage_ranks"])
+        return None
+
+    @cached_property
+    def offsets_ns(self) -> dict:
+        """rank -> the clock offset applied to its events."""
+        if self.offsets is None or self.offsets.empty:
+            return {}
+        return dict(zip(self.offsets["rank"].astype(int).tolist(), self.offsets["offset_ns"].astype(int).tolist()))
+
+    @cached_property
+    def uncertainty_ns(self) -> dict:
+        """rank -> the bound on its alignment error (0 where exact)."""
+        if self.offsets is None or self.offsets.empty:
+            return {}
+        bound = self.offsets["uncertainty_ns"].fillna(0).astype("int64")
+        return dict(zip(self.offsets["rank"].astype(int).tolist(), bound.tolist()))
+
+    # -- derived once, used by every analysis ------------------------------------------------
+    @cached_property
+    def gpu_ranks(self) -> frozenset:
+        """Ranks whose work ran in GPU kernels: their timeline is the GPU's."""
+        ev = self.events
+        kernels = ev["category"].isin(["kernel_compute", "kernel_comm"]).to_numpy()
+        return frozenset(int(r) for r in pd.unique(ev["rank"].to_numpy()[kernels]))
+
+    @cached_property
+    def step_windows(self) -> dict:
+        """(rank, step) -> (start, end) of that rank's step (windows.step_windows)."""
+        return windows.step_windows(self.events, self.steps, self.gpu_ranks)
+
+    @cached_property
+    def pipeline_windows(self) -> dict:
+        """step -> (start, end) of the pipeline window (windows.pipeline_windows)."""
+        return windows.pipeline_windows(self.events, self.layout.pp)
+
+    @cached_property
+    def activities(self) -> dict:
+        """rank -> Activity: when it computed and when each dimension communicated."""
+        groups = self.process_groups
+        return {int(r): rank_activity(grp, int(r), self.layout, groups.get(int(r)))
+                for r, grp in self.events.groupby("rank", observed=True)}
 
 
 def _headers(files, warnings):
@@ -222,20 +341,20 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
             given[f] = given[f] if given[f] is not None else getattr(found, f)
     schedule, microbatches, vpp = given["schedule"], given["microbatches"], given["vpp"]
     instances, w_coll = match.match_collectives(events, layout, loaded)
-    pairs, w_p2p = match.match_p2p(events)
+    pairs, w_p2p = match.match_p2p(events, timed=False)  # wait/transfer once clocks are aligned
     hosts = {rank: meta.get("hostname") for rank, meta in metas.items()}
     offsets, w_align = align.estimate_offsets(loaded, instances, pairs, events, hosts=hosts)
     # Matching is clock-free, so the matches stand; only their times move.
     shift = dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))
     aligned = align.apply_offsets(events, offsets, inplace=True)
-    pairs, instances = match.shift_pairs(pairs, shift), match.shift_instances(instances, shift)
+    pairs, instances = match.shift_pairs(pairs, shift, aligned), match.shift_instances(instances, shift)
     typical = float(pairs["transfer_ns"].median()) if len(pairs) else None
     warnings = [
         *warnings, *w_p2p, *w_coll, *w_align, *align.clock_drift_warnings(metas),
         *align.large_bound_warnings(offsets, typical),
     ]
     return Run(
-        path=path, events=aligned, layout=layout, meta=metas, ranks=loaded, steps=steps,
-        pairs=pairs, collectives=instances, offsets=offsets, warnings=warnings,
+        path=path, events=aligned, layout=layout, meta=metas, ranks=tuple(loaded), steps=tuple(steps),
+        pairs=pairs, collectives=instances, offsets=offsets, warnings=tuple(warnings),
         schedule=schedule, microbatches=microbatches, vpp=vpp, inferred=inferred,
     )

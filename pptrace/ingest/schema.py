@@ -81,6 +81,7 @@ import pandas as pd
 
 from .megatron_names import parse_megatron_name
 from ..naming import parse_name
+from ..vocab import COMM_DIMS
 from .nccl import infer_nccl_p2p, link_nccl_kernels
 
 # 2: NCCL kernels carry their launching collective (ingest/nccl.py), Megatron names classified
@@ -88,8 +89,10 @@ from .nccl import infer_nccl_p2p, link_nccl_kernels
 # 4: c10d send/recv posts carry their "Concrete Inputs" peer and tag, gloo p2p ranges bytes
 SCHEMA_VERSION = 4
 
+#: the category of a contract range of each communication dimension
+COMM_CATEGORIES = tuple(f"comm:{d}" for d in COMM_DIMS)
 CATEGORIES = (
-    "compute", "comm:tp", "comm:cp", "comm:dp", "comm:ep", "p2p", "wait", "step",
+    "compute", *COMM_CATEGORIES, "p2p", "wait", "step",
     "kernel_compute", "kernel_comm", "memcpy", "runtime", "other",
 )
 #: Contract tags that get their own nullable int column (``step`` is stored as ring_step).
@@ -157,7 +160,7 @@ def _category(parsed, name: str, cat: str | None, nccl: bool) -> str:
             return "compute"
         if parsed.kind == "pp":
             return "p2p"
-        if parsed.kind in ("tp", "cp", "dp", "ep"):
+        if parsed.kind in COMM_DIMS:
             return f"comm:{parsed.kind}"
     if profiler_step_number(name) is not None:
         return "step"

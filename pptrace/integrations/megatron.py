@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import sys
 import warnings
 from contextlib import nullcontext
 
 from ..instrument import region
 from ._requests import Open, Pending, nbytes
+from ..vocab import LAYOUT_DIMS, LAYOUT_ORDERS, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
 
 NAME = "megatron-core"
 #: (module, function, parameters the hook reads). A Megatron without them is not recognised.
@@ -57,10 +57,10 @@ _HOOKS = (
 )
 #: p2p argument -> (contract op, which neighbour), in the order _batched_p2p_ops posts them.
 _DIRECTIONS = (
-    ("send_prev", "send_bwd", "prev"),
-    ("recv_prev", "recv_fwd", "prev"),
-    ("send_next", "send_fwd", "next"),
-    ("recv_next", "recv_bwd", "next"),
+    ("send_prev", SEND_BWD, "prev"),
+    ("recv_prev", RECV_FWD, "prev"),
+    ("send_next", SEND_FWD, "next"),
+    ("recv_next", RECV_BWD, "next"),
 )
 
 
@@ -392,7 +392,7 @@ def _layout():
     ``tp-cp-dp-pp`` first) whose groups for this rank are the ones parallel_state built."""
     import torch.distributed as dist
 
-    from ..topology import DIMS, Layout
+    from ..topology import Layout
 
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is None or not dist.is_initialized() or not ps.model_parallel_is_initialized():
@@ -404,12 +404,11 @@ def _layout():
     ranks = {dim: dist.get_process_group_ranks(g) for dim, g in groups.items()}
     sizes = {dim: len(r) for dim, r in ranks.items()}
     rank = dist.get_rank()
-    orders = ["tp-cp-dp-pp", *("-".join(p) for p in itertools.permutations(DIMS))]
-    for order in orders:
+    for order in LAYOUT_ORDERS:
         layout = Layout(**sizes, order=order)
         if layout.world_size != dist.get_world_size():
             break
-        if all(layout.group_ranks(dim, rank) == ranks[dim] for dim in DIMS):
+        if all(layout.group_ranks(dim, rank) == ranks[dim] for dim in LAYOUT_DIMS):
             return layout, ranks["pp"]
     warnings.warn("pptrace: Megatron's parallel groups match no tp/cp/dp/pp rank order; "
                   "the layout is left to the trace", stacklevel=3)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import sys
 import warnings
 import weakref
@@ -47,6 +46,7 @@ from contextlib import nullcontext
 
 from ..instrument import region
 from ._requests import Open, Pending, nbytes
+from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LAYOUT_ORDERS, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
 
 NAME = "torch.distributed.pipelining"
 _MODULE = "torch.distributed.pipelining"
@@ -63,10 +63,10 @@ _STAGE_HOOKS = {
 }
 #: get_*_ops -> (contract op, which stage consumes the tensor: this one (0), next (+1), previous (-1))
 _P2P = {
-    "get_fwd_recv_ops": ("recv_fwd", 0),
-    "get_fwd_send_ops": ("send_fwd", 1),
-    "get_bwd_recv_ops": ("recv_bwd", 0),
-    "get_bwd_send_ops": ("send_bwd", -1),
+    "get_fwd_recv_ops": (RECV_FWD, 0),
+    "get_fwd_send_ops": (SEND_FWD, 1),
+    "get_bwd_recv_ops": (RECV_BWD, 0),
+    "get_bwd_send_ops": (SEND_BWD, -1),
 }
 _SCHEDULE_CLASSES = ("PipelineScheduleSingle", "PipelineScheduleMulti")
 _TAG_ATTR = "_pptrace_tags"
@@ -196,12 +196,12 @@ class PipeliningInstrumentation:
                 self._poll()
                 stage, mb = self._chunk_id(fn, args, kwargs)
                 if fn == "forward_one_chunk":
-                    op = "fwd"
+                    op = FWD
                 elif fn == "backward_weight_one_chunk":
-                    op = "bwd_weight"
+                    op = BWD_WEIGHT
                 else:  # backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, ...)
                     full = kwargs.get("full_backward", args[3] if len(args) > 3 else True)
-                    op = "bwd" if full else "bwd_input"
+                    op = BWD if full else BWD_INPUT
                 scope = region(f"compute:{op}", mb=mb, chunk=_local_chunk(stage, stage.stage_index))
             except Exception as exc:  # noqa: BLE001 - never break the user's training
                 self._fail(fn, exc)
@@ -418,7 +418,7 @@ def _layout(pp_ranks: list) -> dict | None:
     is the first whose groups are the real ones (Megatron's tp-cp-dp-pp first)."""
     import torch.distributed as dist
 
-    from ..topology import DIMS, Layout
+    from ..topology import Layout
 
     world, rank = dist.get_world_size(), dist.get_rank()
     pp = len(pp_ranks)
@@ -433,8 +433,7 @@ def _layout(pp_ranks: list) -> dict | None:
     sizes["dp"] = max(rest, 1)
     # the data-parallel dims (flattened ones naming tp/cp/pp, e.g. dp_shard_cp, are not)
     others = [r for n, r in mesh.items() if not {"tp", "cp", "pp"} & set(n.split("_"))]
-    orders = ["tp-cp-dp-pp", *("-".join(p) for p in itertools.permutations(DIMS))]
-    for order in orders:
+    for order in LAYOUT_ORDERS:
         layout = Layout(**sizes, order=order)
         if layout.world_size != world:
             return None

@@ -17,11 +17,11 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from .schedules import SCHEDULES, canonical, has_closed_form
+from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, PASS_OPS, SCHEDULES, canonical, has_closed_form
 from .replay import PipelineTimes, Timeline, action_programs, simulate
+from ..ingest import exchanges
 
 SCHEMA = "pptrace.whatif/1"
-_PIPE_COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight")
 # ZB-H1 paper's working assumption (T_W ~ T_B) when a run never split its backward.
 DEFAULT_WGRAD_FRACTION = 0.5
 REPLICATIONS = 33
@@ -54,11 +54,14 @@ def _main_events(run) -> pd.DataFrame:
     return ev.loc[keep, ["rank", "step", "category", "kind", "op", "mb", "chunk", "start_ns", "end_ns", "dur_ns"]]
 
 
-def _typical_steps(main: pd.DataFrame, notes: list) -> pd.Series:
+def _typical_steps(run, notes: list) -> pd.Series:
     """Step times (median over ranks) of the steps that look like the run: a step far off the
     median is a hiccup of the machine (a stalled process, a page-cache flush), not the
     schedule, and its slow transfers would poison the latency distribution."""
-    steps = main[main["category"] == "step"].groupby("step")["dur_ns"].median()
+    windows = run.step_windows
+    wall = pd.Series([e - s for s, e in windows.values()], dtype="int64",
+                     index=pd.Index([step for _, step in windows], name="step"))
+    steps = wall.groupby(level="step").median()
     median = steps.median()
     typical = steps[(steps - median).abs() <= OUTLIER_STEP * median]
     for step, ns in steps.drop(typical.index).items():
@@ -67,7 +70,7 @@ def _typical_steps(main: pd.DataFrame, notes: list) -> pd.Series:
 
 
 def _pipeline_ops(main: pd.DataFrame) -> pd.DataFrame:
-    compute = (main["category"] == "compute") & main["op"].isin(_PIPE_COMPUTE)
+    compute = (main["category"] == "compute") & main["op"].isin(PASS_OPS)
     p2p = (main["category"] == "p2p") & (main["kind"] == "pp")
     return main[(compute | p2p).to_numpy()]
 
@@ -89,38 +92,52 @@ def _stage_matrix(ops: pd.DataFrame, op_names, stage_of, p: int, m: int) -> np.n
     return out
 
 
+def _exchange_spans(rank, exchange, start, end, ops: pd.DataFrame) -> pd.DataFrame:
+    """Per exchange (ids of exchanges.exchange_ids): rank, exchange, lo, hi (its span) and
+    ``passes``: whether a pass of the rank starts inside it (posted, then waited after other
+    work: ZB-H1's W's, overlap_p2p_comm, torch's sends waited at the end of the step)."""
+    ranges = pd.DataFrame({"rank": np.asarray(rank, np.int64), "exchange": np.asarray(exchange, np.int64),
+                           "start": np.asarray(start, np.int64), "end": np.asarray(end, np.int64)})
+    g = ranges.groupby("exchange", sort=True)
+    spans = pd.DataFrame({"rank": g["rank"].first(), "lo": g["start"].min(), "hi": g["end"].max()}).reset_index()
+    compute = ops.loc[(ops["category"] == "compute").to_numpy(), ["rank", "start_ns"]]
+    compute = compute.astype({"rank": np.int64, "start_ns": np.int64}).sort_values("start_ns")
+    nxt = pd.merge_asof(spans.sort_values("lo", kind="stable"), compute, left_on="lo", right_on="start_ns",
+                        by="rank", direction="forward")
+    nxt["passes"] = (nxt["start_ns"] < nxt["hi"]).to_numpy()
+    return nxt.drop(columns="start_ns").sort_values("exchange").reset_index(drop=True)
+
+
 def _exchange_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
-    """One latency observation per p2p exchange: its end minus the moment its last message had
-    both sides posted. The ranges of one combined exchange all close when its last direction
-    completes, so a pair's own recv_end - max(starts) would count the wait for the *other*
-    directions as transfer; the exchange's tail after its last match does not. Exchanges with
-    compute inside (ZB-H1's W's between post and wait) are left out: their tail is the W's."""
+    """One latency observation per p2p exchange (exchanges.py; the loader's pairs carry each
+    side's): its end minus the moment its last message was ready. The ranges of one combined
+    exchange all close when its last direction completes, so a pair's own recv_end -
+    max(starts) would count the wait for the *other* directions as transfer; the exchange's
+    tail after its last match does not. Exchanges with passes inside (_exchange_spans) are
+    left out: their tail is the passes'. Rows in order of rank and exchange start (the order
+    latency draws index)."""
+    columns = ["rank", "exchange", "link", "latency_ns"]
     pairs = run.pairs
     pairs = pairs[(pairs["kind"] == "pp").to_numpy() & pairs["step"].isin(steps).to_numpy()]
     if pairs.empty:
-        return pd.DataFrame(columns=["rank", "link", "latency_ns"])
-    match = np.maximum(pairs["send_start_ns"], pairs["recv_start_ns"]).to_numpy()
+        return pd.DataFrame(columns=columns)
     link = list(zip(pairs["src"].map(stage_of), pairs["dst"].map(stage_of)))
-    sides = pd.concat([
-        pd.DataFrame({"rank": pairs["src"].to_numpy(), "start": pairs["send_start_ns"].to_numpy(),
-                      "end": pairs["send_end_ns"].to_numpy(), "match": match, "link": link}),
-        pd.DataFrame({"rank": pairs["dst"].to_numpy(), "start": pairs["recv_start_ns"].to_numpy(),
-                      "end": pairs["recv_end_ns"].to_numpy(), "match": match, "link": link}),
-    ]).sort_values(["rank", "start"], kind="stable")
-    out = []
-    compute = ops[ops["category"] == "compute"]
-    for rank, g in sides.groupby("rank"):
-        starts = np.sort(compute.loc[compute["rank"] == rank, "start_ns"].to_numpy())
-        start, end = g["start"].to_numpy(), g["end"].to_numpy()
-        reach = np.maximum.accumulate(end)
-        exchange = np.concatenate([[0], np.cumsum(start[1:] > reach[:-1])])
-        for _, ex in g.assign(ex=exchange).groupby("ex"):
-            lo, hi = ex["start"].min(), ex["end"].max()
-            if np.searchsorted(starts, hi) > np.searchsorted(starts, lo):
-                continue
-            last = ex.iloc[int(ex["match"].to_numpy().argmax())]
-            out.append((rank, last["link"], max(0, hi - int(last["match"]))))
-    return pd.DataFrame(out, columns=["rank", "link", "latency_ns"])
+    sides = pd.DataFrame({
+        "rank": np.concatenate([pairs["src"], pairs["dst"]]).astype(np.int64),
+        "exchange": np.concatenate([pairs["send_exchange"], pairs["recv_exchange"]]).astype(np.int64),
+        "start": np.concatenate([pairs["send_start_ns"], pairs["recv_start_ns"]]).astype(np.int64),
+        "end": np.concatenate([pairs["send_end_ns"], pairs["recv_end_ns"]]).astype(np.int64),
+        "ready": np.concatenate(exchanges.sides_ready(pairs)),
+        "link": link + link,
+    }).sort_values(["rank", "start"], kind="stable").reset_index(drop=True)
+    # the first of the latest-ready ranges, in range order, names the link
+    last = sides.loc[sides.groupby("exchange", sort=True)["ready"].idxmax().to_numpy()]
+    spans = _exchange_spans(sides["rank"], sides["exchange"], sides["start"], sides["end"], ops)
+    quiet = ~spans["passes"].to_numpy()
+    return pd.DataFrame({"rank": spans["rank"].to_numpy()[quiet], "exchange": spans["exchange"].to_numpy()[quiet],
+                         "link": last["link"].to_numpy()[quiet],
+                         "latency_ns": np.maximum(0, spans["hi"].to_numpy() - last["ready"].to_numpy())[quiet]},
+                        columns=columns)
 
 
 def _latency(observed: pd.DataFrame, p: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -136,13 +153,31 @@ def _latency(observed: pd.DataFrame, p: int) -> tuple[np.ndarray, np.ndarray | N
 
 
 def _overhead(ops: pd.DataFrame) -> float:
-    """Median host gap between consecutive pipeline ops of a rank (overlapping p2p ranges of
-    one combined exchange count as one op)."""
+    """Median host gap after a pipeline op of a rank ends until its next op starts. A p2p
+    exchange (exchanges.py) blocks as one op; one with passes inside (_exchange_spans) was
+    posted and waited apart, so its ranges are ops of their own (each a post, later a wait).
+    It is an op's end, not the end of all opened before it, that the next start is measured
+    from: an exchange open across passes hides no gap between them."""
+    p2p = ops[(ops["category"] == "p2p").to_numpy()]
+    ids = exchanges.exchange_ids(p2p["rank"], p2p["start_ns"], p2p["end_ns"])
+    spans = _exchange_spans(p2p["rank"], ids, p2p["start_ns"], p2p["end_ns"], ops)
+    apart = spans["passes"].to_numpy()[np.searchsorted(spans["exchange"].to_numpy(), ids)]
+    steps = p2p.groupby(ids)["step"].first()
+    blocking = spans[~spans["passes"]]
+    units = pd.concat([
+        ops.loc[(ops["category"] != "p2p").to_numpy(), ["rank", "step", "start_ns", "end_ns"]],
+        p2p.loc[apart, ["rank", "step", "start_ns", "end_ns"]],
+        pd.DataFrame({"rank": blocking["rank"], "step": steps.reindex(blocking["exchange"]).to_numpy(),
+                      "start_ns": blocking["lo"], "end_ns": blocking["hi"]}),
+    ])
     gaps = []
-    for _, g in ops.sort_values("start_ns").groupby(["rank", "step"], observed=True):
-        start, end = g["start_ns"].to_numpy(), g["end_ns"].to_numpy()
-        reach = np.maximum.accumulate(end)
-        gap = start[1:] - reach[:-1]
+    for _, g in units.groupby(["rank", "step"], observed=True):
+        start = np.sort(g["start_ns"].to_numpy(np.int64))
+        end = np.sort(g["end_ns"].to_numpy(np.int64))
+        done = np.searchsorted(end, start[1:], side="right")  # ops ended by each later start
+        ended = end[np.maximum(done - 1, 0)]
+        # a start with no op ended since the previous start opened inside that one: no gap
+        gap = np.where((done > 0) & (ended >= start[:-1]), start[1:] - ended, 0)
         gaps.append(gap[gap > 0])
     gaps = np.concatenate(gaps) if gaps else np.zeros(0)
     return float(np.median(gaps)) / 1e9 if gaps.size else 0.0
@@ -201,16 +236,16 @@ def measure(run) -> Measured:
     stage_of = {r: run.layout.coords(r).pp for r in run.ranks}
     main = _main_events(run)
     notes = []
-    steps = _typical_steps(main, notes)
+    steps = _typical_steps(run, notes)
     main = main[main["step"].isin(steps.index).to_numpy()]
     ops = _pipeline_ops(main)
     if ops.empty:
         raise ValueError(f"{run.path}: no compute:fwd/bwd ranges in the profiled steps; nothing to replay")
-    split = bool((ops["op"] == "bwd_input").any())
-    fwd = _stage_matrix(ops, ["fwd"], stage_of, p, m)
+    split = bool((ops["op"] == BWD_INPUT).any())
+    fwd = _stage_matrix(ops, [FWD], stage_of, p, m)
     # a split run's full backward passes (some torch zero-bubble schedules mix them) count as B
-    bwd = _stage_matrix(ops, ["bwd_input", "bwd"] if split else ["bwd"], stage_of, p, m)
-    wgrad = _stage_matrix(ops, ["bwd_weight"], stage_of, p, m)
+    bwd = _stage_matrix(ops, [BWD_INPUT, BWD] if split else [BWD], stage_of, p, m)
+    wgrad = _stage_matrix(ops, [BWD_WEIGHT], stage_of, p, m)
     present = sorted(set(ops["rank"].map(stage_of)))
     for stage in sorted(set(range(p)) - set(present)):
         # a stage without a usable trace: assume it was like the others (partial input)
@@ -220,7 +255,8 @@ def measure(run) -> Measured:
     latency, samples = _latency(_exchange_latencies(run, steps.index, ops, stage_of), p)
     times = PipelineTimes(fwd, bwd, wgrad, latency, _overhead(ops), samples, post_s=_post_cost(main))
 
-    window = ops.groupby("step")["end_ns"].max() - ops.groupby("step")["start_ns"].min()
+    spans = run.pipeline_windows
+    window = pd.Series({s: spans[s][1] - spans[s][0] for s in steps.index if s in spans}, dtype="float64")
     step_time = float(steps.median()) / 1e9
     fixed = float((steps - window.reindex(steps.index)).median()) / 1e9
     if len(steps) < 2:
@@ -238,9 +274,8 @@ def _own_programs(run, v: int, m: int) -> tuple[list, int]:
     """Programs of a schedule without a table, from its recorded or measured action order,
     and the microbatch count (what the orders hold when the run did not say)."""
     from ..analyzers.bubble import action_orders, microbatch_times
-    from ..ingest.runview import view_of
 
-    view = view_of(run)
+    view = run
     found = action_orders(view, microbatch_times(view), v)
     if found is None:
         raise ValueError(

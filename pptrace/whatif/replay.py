@@ -1,11 +1,18 @@
-"""Event simulation of pipeline schedules: replay p stages x m microbatches with given durations.
+"""The one replay engine of pipeline steps (``replay``): every stage runs a *program* (passes
+with durations, the posts and waits of its p2p messages) against the others. Programs come
+from two places:
 
-Each stage runs a *program*: its compute passes (F, B, W) in the trainer's order
-(``pptrace.whatif.schedules``, which the trainer executes) interleaved with the p2p exchanges the trainer posts
-between them (Megatron's combined ops: ``send_forward_recv_backward`` and the interleaved
-schedule's four-way exchange). Modelling the exchanges and not only the data dependencies
-matters: a combined op waits for *all* its directions, so a stage can be held by a message it
-does not need yet, and that is part of the step time the trainer really shows.
+- a schedule: its compute passes (F, B, W) in the trainer's order (``pptrace.whatif.schedules``,
+  which the trainer executes) interleaved with the p2p exchanges the trainer posts between them
+  (Megatron's combined ops: ``send_forward_recv_backward`` and the interleaved schedule's
+  four-way exchange); ``simulate`` runs them with given durations (what-if, and the theory of
+  schedules without a closed form);
+- a measured step: every rank's main thread as traced (``measured_programs``);
+  ``latency_free_ends`` runs them with free p2p to split the bubble (analyzers/bubble.py).
+
+Modelling the exchanges and not only the data dependencies matters: a combined op waits for
+*all* its directions, so a stage can be held by a message it does not need yet, and that is
+part of the step time the trainer really shows.
 
 Communication follows rendezvous semantics by default (gloo's send waits for the peer's recv,
 and the trainer waits on every request of an exchange): a send and its recv both complete
@@ -21,21 +28,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from .schedules import (
-    ACTION_OPS,
-    SCHEDULES,
-    interleaved_backward_order,
-    interleaved_forward_order,
-    num_warmup_microbatches,
-    schedule_table,
-)
+from ..ingest.schema import COMM_CATEGORIES
+from ..vocab import ACTION_OPS, SCHEDULES
+from .schedules import Exchange, InterleavedStage, num_warmup_microbatches, schedule_table, ws_after_backward
 
 
 @dataclass(frozen=True)
 class Msg:
     """One direction of a p2p exchange. ``chunk`` is the chunk that consumes the tensor on
     the receiving stage (the trainer's tag convention), so (direction, src, dst, mb, chunk)
-    names a message uniquely within a step."""
+    names a message uniquely within a step. A measured message is named by its row in the
+    run's matched pairs (``pair``) instead: traces other than the trainer's may lack the tags."""
 
     direction: str  # "fwd" (activation) | "bwd" (gradient)
     is_send: bool
@@ -43,25 +46,28 @@ class Msg:
     dst: int
     mb: int
     chunk: int = 0
+    pair: int = -1
 
     @property
     def key(self) -> tuple:
-        return (self.direction, self.src, self.dst, self.mb, self.chunk)
+        return (self.direction, self.src, self.dst, self.mb, self.chunk, self.pair)
 
 
 @dataclass(frozen=True)
 class Op:
-    """One entry of a stage program: a compute pass ("F", "B", "W"), an exchange ("comm":
-    post and wait), or an exchange split in two ("post" ... "wait") with work in between;
-    ``handle`` names which open exchange a "wait" completes (overlap_p2p_comm keeps a
-    forward and a backward one open at once)."""
+    """One entry of a stage program: a compute pass ("F", "B", "I", "W"), a measured range of
+    any work ("run"), an exchange ("comm": post and wait), or an exchange split in two
+    ("post" ... "wait") with work in between; ``handle`` names which open exchange a "wait"
+    completes (overlap_p2p_comm keeps a forward and a backward one open at once)."""
 
     kind: str
     mb: int = -1
     chunk: int = 0
     msgs: tuple = ()
-    handle: str = ""
-    seconds: float | None = None  # a pass's own duration, instead of the PipelineTimes one
+    handle: object = ""
+    # The op's own duration (seconds in ``simulate``, ns in a measured replay), instead of
+    # the one PipelineTimes gives its pass.
+    duration: float | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,17 +100,7 @@ def _program_flat(schedule: str, p: int, r: int, m: int) -> list[Op]:
             prog += _comm(recv_bwd(mb)) + [Op("B", mb)] + _comm(send_bwd(mb))
         return prog
     zero_bubble = schedule == "zb-h1"
-    w_after_b: dict[int, list[int]] = {}
-    if zero_bubble:
-        table = schedule_table("zb-h1", p, r, m)
-        for i, (op, mb, _) in enumerate(table):
-            if op == "B":
-                following = []
-                for entry in table[i + 1:]:
-                    if entry[0] != "W":
-                        break
-                    following.append(entry[1])
-                w_after_b[mb] = following
+    w_after_b = ws_after_backward(p, r, m) if zero_bubble else {}
     warmup = num_warmup_microbatches("1f1b", p, r, m)
     remaining = m - warmup
 
@@ -131,100 +127,24 @@ def _program_flat(schedule: str, p: int, r: int, m: int) -> list[Op]:
 
 
 def _program_interleaved(p: int, r: int, m: int, v: int, overlap_p2p_comm: bool = False) -> list[Op]:
-    """Megatron's interleaved schedule as ``schedules_interleaved.py`` posts it: one combined
-    exchange after every pass, activations travelling the ring p-1 -> 0 between chunks; or,
-    with ``overlap_p2p_comm``, a forward and a backward exchange posted after their passes and
-    waited right before the tensor they bring is used."""
-    total = m * v
-    warmup = num_warmup_microbatches("interleaved", p, r, m, v)
-    fwd, bwd = interleaved_forward_order(p, m, v), interleaved_backward_order(p, m, v)
+    """Megatron's interleaved schedule: ``schedules.InterleavedStage.program``, which the
+    trainer's ``schedules_interleaved.py`` executes, with its directions as messages."""
     prev, nxt = (r - 1) % p, (r + 1) % p
 
-    def first_virtual(c):
-        return r == 0 and c == 0
+    def msgs(ex: Exchange) -> tuple:
+        directions = (("fwd", True, r, nxt, ex.send_next), ("bwd", True, r, prev, ex.send_prev),
+                      ("fwd", False, prev, r, ex.recv_prev), ("bwd", False, nxt, r, ex.recv_next))
+        return tuple(Msg(d, is_send, src, dst, *carried) for d, is_send, src, dst, carried in directions
+                     if carried is not None)
 
-    def last_virtual(c):
-        return r == p - 1 and c == v - 1
-
-    def fwd_send(k):
-        mb, c = fwd[k]
-        return None if last_virtual(c) else Msg("fwd", True, r, nxt, mb, c + 1 if r == p - 1 else c)
-
-    def bwd_send(k):
-        mb, c = bwd[k]
-        return None if first_virtual(c) else Msg("bwd", True, r, prev, mb, c - 1 if r == 0 else c)
-
-    def fwd_recv(k):
-        return None if k >= total or first_virtual(fwd[k][1]) else Msg("fwd", False, prev, r, *fwd[k])
-
-    def bwd_recv(k):
-        return None if k >= total or last_virtual(bwd[k][1]) else Msg("bwd", False, nxt, r, *bwd[k])
-
-    if overlap_p2p_comm:
-        return _comm(fwd_recv(0)) + _overlapped(warmup, total, fwd, bwd, fwd_send, bwd_send, fwd_recv, bwd_recv)
-    prog = _comm(fwd_recv(0))
-    for k in range(warmup):
-        prog.append(Op("F", *fwd[k]))
-        if k == warmup - 1 and warmup < total:
-            prog += _comm(fwd_send(k), fwd_recv(k + 1), bwd_recv(0))
-        else:
-            prog += _comm(fwd_send(k), fwd_recv(k + 1))
-    if warmup == total:
-        prog += _comm(bwd_recv(0))
-    for k in range(total - warmup):
-        fk = k + warmup
-        prog += [Op("F", *fwd[fk]), Op("B", *bwd[k])]
-        prog += _comm(fwd_send(fk), bwd_send(k), fwd_recv(fk + 1), bwd_recv(k + 1))
-    for k in range(total - warmup, total):
-        prog.append(Op("B", *bwd[k]))
-        prog += _comm(bwd_send(k), bwd_recv(k + 1))
-    return prog
-
-
-def _overlapped(warmup, total, fwd, bwd, fwd_send, bwd_send, fwd_recv, bwd_recv) -> list[Op]:
-    prog: list[Op] = []
-    open_handles: set = set()
-
-    def post(handle, *msgs):
-        msgs = tuple(msg for msg in msgs if msg is not None)
-        if msgs:
-            prog.append(Op("post", msgs=msgs, handle=handle))
-            open_handles.add(handle)
-
-    def wait(handle):
-        if handle in open_handles:
-            prog.append(Op("wait", handle=handle))
-            open_handles.discard(handle)
-
-    for k in range(warmup):
-        wait("fwd")
-        prog.append(Op("F", *fwd[k]))
-        post("fwd", fwd_send(k), fwd_recv(k + 1))
-        if k == warmup - 1 and warmup < total:
-            post("bwd", bwd_recv(0))
-    if warmup == total:
-        wait("fwd")
-        post("bwd", bwd_recv(0))
-    for k in range(total - warmup):
-        wait("fwd")
-        prog.append(Op("F", *fwd[k + warmup]))
-        post("fwd", fwd_send(k + warmup), fwd_recv(k + warmup + 1))
-        wait("bwd")
-        prog.append(Op("B", *bwd[k]))
-        post("bwd", bwd_send(k), bwd_recv(k + 1))
-    wait("fwd")
-    for k in range(total - warmup, total):
-        wait("bwd")
-        prog.append(Op("B", *bwd[k]))
-        post("bwd", bwd_send(k), bwd_recv(k + 1))
-    wait("bwd")
-    return prog
+    return [Op(step.kind, msgs=msgs(step), handle=step.handle) if isinstance(step, Exchange) else Op(*step)
+            for step in InterleavedStage(p, r, m, v).program(overlap_p2p_comm)]
 
 
 def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1, overlap_p2p_comm: bool = False) -> list[Op]:
     """The ops stage r runs in one step; its compute ops equal ``schedule_table``.
     ``overlap_p2p_comm``: Megatron's option for the interleaved schedule (its training
-    scripts' default there), as ``schedules_interleaved._run_overlapped`` posts it."""
+    scripts' default there)."""
     schedule_table(schedule, p, r, m, v)  # validates the arguments with the trainer's rules
     if schedule == "interleaved" and p > 1:
         return _program_interleaved(p, r, m, v, overlap_p2p_comm)
@@ -269,19 +189,110 @@ def action_programs(orders: list, placement: list[int], seconds: dict | None = N
             if op == "F":
                 if stage > 0 and placement[stage - 1] != s:
                     prog += _comm(Msg("fwd", False, placement[stage - 1], s, mb, stage))
-                prog.append(Op("F", mb, chunk, seconds=seconds.get(("F", stage))))
+                prog.append(Op("F", mb, chunk, duration=seconds.get(("F", stage))))
                 prog += [] if explicit else send_fwd(s, stage, mb)
             elif op in ("B", "I"):
                 if stage < last and placement[stage + 1] != s:
                     prog += _comm(Msg("bwd", False, placement[stage + 1], s, mb, stage))
-                prog.append(Op(op, mb, chunk, seconds=seconds.get((op, stage))))
+                prog.append(Op(op, mb, chunk, duration=seconds.get((op, stage))))
                 prog += [] if explicit else send_bwd(s, stage, mb)
             elif op == "W":
-                prog.append(Op("W", mb, chunk, seconds=seconds.get(("W", stage))))
+                prog.append(Op("W", mb, chunk, duration=seconds.get(("W", stage))))
             else:
                 prog += (send_fwd if op == "SF" else send_bwd)(s, stage, mb)
         progs.append(prog)
     return progs
+
+
+# ---------------------------------------------------------------------------------------
+# programs: a measured step, as its main threads ran it
+# ---------------------------------------------------------------------------------------
+# Ranges the main thread replays; a collective after the pipeline window is not among them
+# (its wait for the last stage is what the window ends on).
+_REPLAYED = ("compute", "p2p", "wait", *COMM_CATEGORIES)
+
+
+def measured_programs(events: pd.DataFrame, messages: dict, lo: int, hi: int) -> list[list[Op]]:
+    """Per rank of ``events`` (one step's main-thread ranges), the ops it ran inside [lo, hi]
+    in its measured order: each top-level range a "run" of its measured duration (ns; ranges
+    inside a pass are part of the pass), each matched pipeline p2p op a "post" where it
+    began and a "wait" where it ended. Ranges nested in an open p2p op (ZB-H1's W passes,
+    Megatron's overlap_p2p_comm) so run between posting and waiting, as they did.
+    ``messages``: event index -> the Msgs of its matched pairs (``_pair_messages``); an
+    unmatched op has nobody to wait for and is left out."""
+    inside = (events["start_ns"] >= lo).to_numpy() & (events["end_ns"] <= hi).to_numpy()
+    return [_measured_program(g, messages) for _, g in events[inside].groupby("rank", observed=True)]
+
+
+def _measured_program(ev: pd.DataFrame, messages: dict) -> list[Op]:
+    ev = ev.sort_values(["start_ns", "end_ns"], ascending=[True, False])  # stable: equal spans keep the trace's order
+    is_pp = ((ev["category"] == "p2p") & (ev["kind"] == "pp")).to_numpy() & ev.index.isin(list(messages))
+    start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
+    # top-level: begins at or after the end of every earlier range that is not a p2p op
+    reach = np.maximum.accumulate(np.where(is_pp, np.iinfo(np.int64).min, end))
+    top = ~is_pp & (start >= np.concatenate(([np.iinfo(np.int64).min], reach[:-1])))
+    post, run = np.flatnonzero(is_pp), np.flatnonzero(top)
+    # at one instant a range that ends there comes before one that begins there, except a
+    # range's own end, which follows its beginning
+    time = np.concatenate((start[post], end[post], start[run]))
+    klass = np.concatenate((np.ones(post.size, np.int64), np.where(end[post] > start[post], 0, 2),
+                            np.ones(run.size, np.int64)))
+    row = np.concatenate((post, post, run))
+    order = np.lexsort((row, klass, time))
+    kind = np.repeat([0, 1, 2], [post.size, post.size, run.size])[order].tolist()
+    row = row[order].tolist()
+    index, duration = ev.index.tolist(), (end - start).tolist()
+    return [Op("post", msgs=messages[index[i]], handle=index[i]) if k == 0
+            else Op("wait", handle=index[i]) if k == 1 else Op("run", duration=duration[i])
+            for k, i in zip(kind, row)]
+
+
+def _pair_messages(pairs: pd.DataFrame) -> dict:
+    """Event index -> the Msgs (one per matched pair it is a side of) it posts."""
+    out: dict = {}
+    tags = [pd.to_numeric(pairs[c], errors="coerce").fillna(-1).astype(np.int64).tolist()
+            for c in ("src", "dst", "mb", "chunk", "send_index", "recv_index")]
+    for pair, (direction, src, dst, mb, chunk, send, recv) in enumerate(zip(pairs["direction"].astype(str), *tags)):
+        for index, is_send in ((send, True), (recv, False)):
+            out[index] = out.get(index, ()) + (Msg(direction, is_send, src, dst, mb, chunk, pair),)
+    return out
+
+
+def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
+    """step -> the end of that step's pipeline window (ns, measured clock; ``windows``: step
+    -> (start, end)) had p2p been free and host gaps zero: the step's measured programs
+    replayed with their pass durations, zero latency and eager sends, every rank starting
+    at the window's start. Steps the replay cannot follow (a wait whose matched peer op is
+    never posted) are left out.
+
+    Free p2p is the schedule's pure data dependencies (the closed forms' model): a recv
+    completes the moment its matched send has been posted, and a send never holds its
+    sender. gloo's and NCCL's sends do wait for their recv to be posted, and a trainer that
+    waits on its sends (Megatron's combined ops) or whose integration closes a send's range
+    only when it next looks (torch's runtime schedules wait on sends at the end of the step)
+    shows that wait; it is owed to the transport's rendezvous, not to the order of the passes.
+
+    The replay keeps what the schedule and the measured pass times decide and drops what
+    latency and host gaps added, including their knock-on effects: a pass that started
+    before a late message arrived and then held it up (ZB-H1 places its W passes to fill the
+    bubble of a latency-free pipeline) starts where it would have without the latency. A
+    critical-path sum of transfers and gaps misses those."""
+    ev = run.events
+    steps = list(windows)
+    keep = ((ev["lane"] == "main").to_numpy() & ev["category"].isin(_REPLAYED).to_numpy()
+            & ev["step"].isin(steps).to_numpy())
+    messages = _pair_messages(pairs[pairs["step"].isin(steps).to_numpy()])
+    out = {}
+    for step, work in ev[keep].groupby("step", observed=True):
+        lo, hi = windows[int(step)]
+        # Durations in integer ns and clocks from 0 at the window's start: exact sums.
+        try:
+            rows = replay(measured_programs(work, messages, lo, hi), lambda op, stage: op.duration,
+                          lambda msg: 0, sends="eager")
+        except ValueError:
+            continue
+        out[int(step)] = lo + max((row[5] for row in rows), default=0)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -356,8 +367,8 @@ class Timeline:
 
 
 def _duration(op: Op, times: PipelineTimes, stage: int, split_w: bool, v: int) -> float:
-    if op.seconds is not None:
-        return op.seconds
+    if op.duration is not None:
+        return op.duration
     if op.kind == "F":
         return times.fwd[stage, op.mb] / v
     if op.kind == "W":
@@ -404,16 +415,36 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
     (e.g. :func:`action_programs`) replaces the schedule's own, for schedules without a table."""
     if programs is None and schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
-    if sends not in SEND_MODES:
-        raise ValueError(f"sends={sends!r} is not one of {SEND_MODES}")
     p, m, v = times.p, times.m, vpp
     if programs is None:
         programs = [stage_program(schedule, p, r, m, v, overlap_p2p_comm) for r in range(p)]
     elif len(programs) != p:
         raise ValueError(f"{len(programs)} programs for {p} stages")
     split_w = schedule == "zb-h1"
-    latency = _latency_model(times, rng)
-    pos, clock = [0] * p, [0.0] * p
+    rows = replay(programs, lambda op, stage: _duration(op, times, stage, split_w, v), _latency_model(times, rng),
+                  sends, times.overhead_s, times.post_s, name=schedule)
+    ops = pd.DataFrame(rows, columns=["stage", "kind", "mb", "chunk", "start_s", "end_s", "transfer_s"])
+    makespan = float(ops["end_s"].max()) if len(ops) else 0.0
+    compute = ops[ops["kind"] != "comm"].assign(d=lambda d: d.end_s - d.start_s).groupby("stage")["d"].sum()
+    transfer = ops.groupby("stage")["transfer_s"].sum()
+    stages = pd.DataFrame({"stage": range(p)})
+    stages["compute_s"] = stages["stage"].map(compute).fillna(0.0)
+    stages["transfer_s"] = stages["stage"].map(transfer).fillna(0.0)
+    stages["bubble_s"] = makespan - stages["compute_s"] - stages["transfer_s"]
+    return Timeline(schedule, v, makespan, ops, stages)
+
+
+def replay(programs: list, duration, latency, sends: str = "rendezvous", overhead=0, post=0,
+           name: str = "replay") -> list[tuple]:
+    """The engine: run every program against the others. ``duration(op, stage)``: a pass's
+    or run's time; ``latency(msg)``: a message's, from the later of its two posts; ``overhead``
+    follows every op (host time), ``post`` every op posted to be waited later. -> rows
+    (stage, kind, mb, chunk, start, end, transfer), an exchange's from its post to its end.
+    Raises ValueError on a deadlock. Times are in whatever unit the durations are."""
+    if sends not in SEND_MODES:
+        raise ValueError(f"sends={sends!r} is not one of {SEND_MODES}")
+    p = len(programs)
+    pos, clock = [0] * p, [0] * p
     posted: dict[tuple, float] = {}  # (message key, is_send) -> post time
     pending: dict[tuple, tuple] = {}  # (stage, handle) -> (messages, post time) of an open exchange
     rows = []
@@ -423,8 +454,8 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
             while pos[s] < len(programs[s]):
                 op = programs[s][pos[s]]
                 start = clock[s]
-                if op.kind in ("F", "B", "I", "W"):
-                    end = start + _duration(op, times, s, split_w, v)
+                if op.kind in ("F", "B", "I", "W", "run"):
+                    end = start + duration(op, s)
                     rows.append((s, op.kind, op.mb, op.chunk, start, end, 0.0))
                 else:
                     if op.kind in ("comm", "post") and (s, op.handle) not in pending:
@@ -432,7 +463,7 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
                         for msg in op.msgs:
                             posted.setdefault((msg.key, msg.is_send), start)
                     if op.kind == "post":
-                        clock[s] = start + times.post_s
+                        clock[s] = start + post
                         pos[s] += 1
                         moved = True
                         continue
@@ -447,18 +478,10 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
                     last_match = max(max(t_post, t) for t in partner)
                     rows.append((s, "comm", -1, 0, t_post, end, max(0.0, end - max(start, last_match))))
                     del pending[(s, op.handle)]
-                clock[s] = end + times.overhead_s
+                clock[s] = end + overhead
                 pos[s] += 1
                 moved = True
         if not moved:
             stuck = {s: programs[s][pos[s]] for s in range(p) if pos[s] < len(programs[s])}
-            raise ValueError(f"{schedule}: the stage programs deadlock at {stuck}")
-    ops = pd.DataFrame(rows, columns=["stage", "kind", "mb", "chunk", "start_s", "end_s", "transfer_s"])
-    makespan = float(ops["end_s"].max()) if len(ops) else 0.0
-    compute = ops[ops["kind"] != "comm"].assign(d=lambda d: d.end_s - d.start_s).groupby("stage")["d"].sum()
-    transfer = ops.groupby("stage")["transfer_s"].sum()
-    stages = pd.DataFrame({"stage": range(p)})
-    stages["compute_s"] = stages["stage"].map(compute).fillna(0.0)
-    stages["transfer_s"] = stages["stage"].map(transfer).fillna(0.0)
-    stages["bubble_s"] = makespan - stages["compute_s"] - stages["transfer_s"]
-    return Timeline(schedule, v, makespan, ops, stages)
+            raise ValueError(f"{name}: the stage programs deadlock at {stuck}")
+    return rows

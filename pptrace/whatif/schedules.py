@@ -7,30 +7,16 @@ not in the trainer, so that analysing a run never needs the trainer package.
 Notation: p pipeline stages, r this stage, m microbatches, v virtual chunks per stage.
 Entries are ``(op, microbatch, chunk)``; op "B" is the whole backward except in ZB-H1,
 where "B" is the input gradient and "W" the weight gradient.
+
+For Megatron's interleaved schedule the p2p ops between the passes are written here too
+(``InterleavedStage``): the trainer executes that program and the what-if simulator replays
+it, so the two cannot drift apart. Torch-free: analysing a run never imports torch.
 """
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-#: Other trainers' names for schedules whose order is one of the tables below, so that their
-#: closed forms hold (torch.distributed.pipelining's class names).
-ALIASES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
-#: torch.distributed.pipelining schedules that place a rank's two stages in a V (stage s on
-#: rank s, stage 2p-1-s on rank s too); every other multi-stage schedule loops (s on s % p).
-V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-#: Ops of an action order: forward, whole backward, input grad, weight grad, and the post of
-#: the send of a stage's activation (SF) or input gradient (SB), where an order places them
-#: itself (torch's runtime schedules post a send after a later pass: DualPipeV's overlapped
-#: F;B sends the forward's output once the backward is done too).
-ACTION_OPS = ("F", "B", "I", "W", "SF", "SB")
+from dataclasses import dataclass
 
-
-def canonical(schedule: str | None) -> str | None:
-    """pptrace's name for a schedule whose order it knows, else the name as given."""
-    return ALIASES.get(schedule, schedule) if schedule else schedule
-
-
-def has_closed_form(schedule: str | None) -> bool:
-    return canonical(schedule) in SCHEDULES
+from ..vocab import SCHEDULES, V_SCHEDULES
 
 
 def stage_placement(schedule: str | None, p: int, v: int) -> list[int]:
@@ -86,20 +72,29 @@ def zb_h1_deferred_w(r: int) -> int:
     return r
 
 
+def ws_after_backward(p: int, r: int, m: int) -> dict[int, list[int]]:
+    """ZB-H1 on stage r: B's microbatch -> the microbatches of the W's that run right after it
+    (the deferred ones and, after the last B, the trailing ones), read from the table so that
+    whoever executes the order follows it."""
+    table = schedule_table("zb-h1", p, r, m)
+    out: dict[int, list[int]] = {}
+    for i, (op, mb, _) in enumerate(table):
+        if op == "B":
+            following = out.setdefault(mb, [])
+            for entry in table[i + 1:]:
+                if entry[0] != "W":
+                    break
+                following.append(entry[1])
+    return out
+
+
 def schedule_table(schedule: str, p: int, r: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
     """Execution order on stage r: list of ("F"|"B"|"W", microbatch, chunk)."""
     _check(schedule, p, r, m, v)
     if schedule == "gpipe":
         return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
     if schedule == "interleaved":
-        total = m * v
-        w = num_warmup_microbatches(schedule, p, r, m, v)
-        fwd, bwd = interleaved_forward_order(p, m, v), interleaved_backward_order(p, m, v)
-        table = [("F", *fwd[k], ) for k in range(w)]
-        for k in range(total - w):
-            table += [("F", *fwd[w + k]), ("B", *bwd[k])]
-        table += [("B", *bwd[k]) for k in range(total - w, total)]
-        return table
+        return [step for step in InterleavedStage(p, r, m, v).program() if not isinstance(step, Exchange)]
     # 1F1B (and ZB-H1's order of F and B): warm-up, steady 1F1B, cool-down.
     w = num_warmup_microbatches(schedule, p, r, m)
     table = [("F", j, 0) for j in range(w)]
@@ -116,3 +111,134 @@ def schedule_table(schedule: str, p: int, r: int, m: int, v: int = 1) -> list[tu
             with_w.append(("W", entry[1] - delay, 0))
     with_w += [("W", j, 0) for j in range(max(m - delay, 0), m)]
     return with_w
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron's interleaved schedule: its passes and the p2p ops between them
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Exchange:
+    """One p2p op of a stage program. Each direction holds the (microbatch, chunk) its message
+    carries, chunk being the one that *consumes* the tensor on the receiving stage (the
+    trainer's tag convention), or None where the op has no such direction. "comm" posts and
+    waits at once (Megatron's combined ops: a stage is held until every direction is done);
+    "post" leaves the op open under ``handle`` until the "wait" of that handle
+    (overlap_p2p_comm keeps a forward and a backward one open at once)."""
+
+    kind: str  # "comm" | "post" | "wait"
+    handle: str = ""
+    send_next: tuple | None = None
+    send_prev: tuple | None = None
+    recv_prev: tuple | None = None
+    recv_next: tuple | None = None
+
+
+class InterleavedStage:
+    """Stage r of Megatron's interleaved schedule (p stages, m microbatches, v chunks). Chunk c
+    of stage r is virtual stage c*p + r, so activations travel a ring: stage p-1's chunk c
+    feeds stage 0's chunk c+1, and gradients go the other way. Position k counts passes in
+    (microbatch, chunk) units: the k-th forward runs ``fwd[k]``, the k-th backward ``bwd[k]``."""
+
+    def __init__(self, p: int, r: int, m: int, v: int):
+        _check("interleaved", p, r, m, v)
+        self.p, self.r, self.v, self.total = p, r, v, m * v
+        self.warmup = num_warmup_microbatches("interleaved", p, r, m, v)
+        self.fwd, self.bwd = interleaved_forward_order(p, m, v), interleaved_backward_order(p, m, v)
+
+    def first_virtual(self, chunk: int) -> bool:  # takes token ids, receives no activation
+        return self.r == 0 and chunk == 0
+
+    def last_virtual(self, chunk: int) -> bool:  # computes the loss, sends no activation on
+        return self.r == self.p - 1 and chunk == self.v - 1
+
+    def send_next(self, k: int) -> tuple | None:
+        """The activation forward k sends on; crossing the ring p-1 -> 0 it feeds the next chunk."""
+        mb, c = self.fwd[k]
+        return None if self.last_virtual(c) else (mb, c + 1 if self.r == self.p - 1 else c)
+
+    def send_prev(self, k: int) -> tuple | None:
+        """The input gradient backward k sends back; crossing the ring 0 -> p-1 to the chunk before."""
+        mb, c = self.bwd[k]
+        return None if self.first_virtual(c) else (mb, c - 1 if self.r == 0 else c)
+
+    def recv_prev(self, k: int) -> tuple | None:
+        """The input of forward k (none past the last one)."""
+        return None if k >= self.total or self.first_virtual(self.fwd[k][1]) else self.fwd[k]
+
+    def recv_next(self, k: int) -> tuple | None:
+        """The output gradient backward k starts from (none past the last one)."""
+        return None if k >= self.total or self.last_virtual(self.bwd[k][1]) else self.bwd[k]
+
+    def program(self, overlap_p2p_comm: bool = False) -> list:
+        """The stage's passes ("F"|"B", mb, chunk) and ``Exchange``s in execution order, as
+        Megatron's ``forward_backward_pipelining_with_interleaving`` runs them: one combined
+        op after every pass, sending its result and receiving the next pass's input; or, with
+        ``overlap_p2p_comm``, a forward and a backward op posted right after their pass and
+        waited right before the tensor they bring is used, so the other direction's pass
+        runs while they are in flight."""
+        steps = _exchange("comm", recv_prev=self.recv_prev(0))
+        return steps + (self._overlapped() if overlap_p2p_comm else self._blocking())
+
+    def _blocking(self) -> list:
+        w, total = self.warmup, self.total
+        steps: list = []
+        for k in range(w):  # warm-up: forwards only; the last also receives the first grad
+            steps.append(("F", *self.fwd[k]))
+            first_grad = self.recv_next(0) if k == w - 1 and w < total else None
+            steps += _exchange("comm", send_next=self.send_next(k), recv_prev=self.recv_prev(k + 1),
+                               recv_next=first_grad)
+        if w == total:
+            steps += _exchange("comm", recv_next=self.recv_next(0))
+        for k in range(total - w):  # steady state: forward k+w, backward k, one four-way op
+            steps += [("F", *self.fwd[k + w]), ("B", *self.bwd[k])]
+            steps += _exchange("comm", send_next=self.send_next(k + w), send_prev=self.send_prev(k),
+                               recv_prev=self.recv_prev(k + w + 1), recv_next=self.recv_next(k + 1))
+        for k in range(total - w, total):  # cool-down: the remaining backwards
+            steps.append(("B", *self.bwd[k]))
+            steps += _exchange("comm", send_prev=self.send_prev(k), recv_next=self.recv_next(k + 1))
+        return steps
+
+    def _overlapped(self) -> list:
+        w, total = self.warmup, self.total
+        steps: list = []
+        open_handles: set = set()
+
+        def post(handle, **directions):
+            posted = _exchange("post", handle, **directions)
+            if posted:
+                steps.extend(posted)
+                open_handles.add(handle)
+
+        def wait(handle):
+            if handle in open_handles:
+                steps.append(Exchange("wait", handle))
+                open_handles.discard(handle)
+
+        for k in range(w):
+            wait("fwd")
+            steps.append(("F", *self.fwd[k]))
+            post("fwd", send_next=self.send_next(k), recv_prev=self.recv_prev(k + 1))
+            if k == w - 1 and w < total:
+                post("bwd", recv_next=self.recv_next(0))
+        if w == total:
+            wait("fwd")
+            post("bwd", recv_next=self.recv_next(0))
+        for k in range(total - w):
+            wait("fwd")
+            steps.append(("F", *self.fwd[k + w]))
+            post("fwd", send_next=self.send_next(k + w), recv_prev=self.recv_prev(k + w + 1))
+            wait("bwd")
+            steps.append(("B", *self.bwd[k]))
+            post("bwd", send_prev=self.send_prev(k), recv_next=self.recv_next(k + 1))
+        wait("fwd")
+        for k in range(total - w, total):
+            wait("bwd")
+            steps.append(("B", *self.bwd[k]))
+            post("bwd", send_prev=self.send_prev(k), recv_next=self.recv_next(k + 1))
+        wait("bwd")
+        return steps
+
+
+def _exchange(kind: str, handle: str = "", **directions) -> list:
+    """[the op] when it carries anything, else [] (a pipeline end has no peer that side)."""
+    return [Exchange(kind, handle, **directions)] if any(d is not None for d in directions.values()) else []
