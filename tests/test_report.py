@@ -57,6 +57,21 @@ def test_report_on_synthetic_pipeline(pipeline_view):
     assert report["warnings"] == []
 
 
+def test_report_says_what_bounded_each_step(pipeline_view):
+    """The cross-rank critical path, one entry per step: its parts add up to its length,
+    which cannot exceed the step (260 µs), and the terminal shows its line."""
+    report = build_report(pipeline_view)
+    (bound,) = report["critical_path"]
+    assert bound["step"] == 1 and bound["step_time_s"] == pytest.approx(260e-6)
+    parts = bound["compute_s"] + bound["p2p_s"] + bound["comm_s"] + bound["other_s"]
+    assert parts == pytest.approx(bound["length_s"]) and 0 < bound["length_s"] <= 260e-6 + 1e-12
+    # both stages' passes are on the path: 2 fwd + 2 bwd of each, less what overlaps
+    assert bound["ranks"] == [0, 1] and bound["compute_s"] >= 160e-6
+    console = Console(record=True, width=220)
+    print_report(report, console)
+    assert "critical path step 1 bound by" in console.export_text()
+
+
 def test_report_selects_ranks_and_steps(pipeline_view):
     report = build_report(pipeline_view, steps=[1, 7], ranks=[1])
     assert [r["rank"] for r in report["ranks"]] == [1]

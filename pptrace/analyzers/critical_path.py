@@ -140,7 +140,7 @@ def _units(rows: pd.DataFrame, exchange: pd.Series, partners: dict) -> _Rank:
 
 def _main_rows(run) -> pd.DataFrame:
     ev = run.events
-    keep = (ev["lane"] == "main").to_numpy() & ev["category"].isin([*_UNIT_CATEGORIES, "step"]).to_numpy()
+    keep = (ev["lane"] == "main").to_numpy() & ev["category"].isin(list(_UNIT_CATEGORIES)).to_numpy()
     return ev.loc[keep, _COLUMNS]
 
 
@@ -157,8 +157,8 @@ def critical_path(run, step: int | None = None) -> CriticalPath:
 
 
 def _path(run, step: int, rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> CriticalPath:
-    marks = rows[(rows["category"] == "step").to_numpy()]
-    if marks.empty:
+    windows = {r: w for (r, s), w in run.step_windows.items() if s == step}
+    if not windows:
         raise ValueError(f"step {step} has no ProfilerStep range on any rank")
     work = rows[rows["category"].isin(_UNIT_CATEGORIES).to_numpy()]
     partners = _partners(pairs, coll)
@@ -166,9 +166,8 @@ def _path(run, step: int, rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> Crit
     ids = pd.Series(exchanges.exchange_ids(p2p["rank"], p2p["start_ns"], p2p["end_ns"], p2p["kind"].astype(str)),
                     index=p2p.index, dtype=np.int64)
     units = {int(r): _units(g, ids, partners) for r, g in work.groupby("rank", observed=True)}
-    starts = {int(r): int(t) for r, t in marks.groupby("rank", observed=True)["start_ns"].min().items()}
-    ends = marks.groupby("rank", observed=True)["end_ns"].max()
-    rank, t = int(ends.idxmax()), int(ends.max())
+    starts = {r: w[0] for r, w in windows.items()}
+    rank, t = max(((r, w[1]) for r, w in windows.items()), key=lambda x: (x[1], -x[0]))
     floor = min(starts.values())
     stage_of = lambda r: run.layout.coords(r).pp if r < run.layout.world_size else -1  # noqa: E731
 
@@ -223,8 +222,8 @@ def _path(run, step: int, rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> Crit
     stages = sorted(int(s) for s in seg.loc[seg["phase"].str.startswith("compute:"), "stage"].unique())
     return CriticalPath(
         step=step, segments=seg, by_rank_phase=by.sort_values("time_s", ascending=False).reset_index(drop=True),
-        length_s=length / 1e9, span_s=(int(ends.max()) - floor) / 1e9,
-        step_time_s=float(marks.groupby("rank", observed=True)["dur_ns"].max().median()) / 1e9,
+        length_s=length / 1e9, span_s=(max(w[1] for w in windows.values()) - floor) / 1e9,
+        step_time_s=float(np.median([e - s for s, e in windows.values()])) / 1e9,
         stages=stages, exchanges=ids,
     )
 
@@ -246,7 +245,7 @@ def step_bounds(run) -> list[dict]:
     out = []
     for step in run.steps:
         mine = by_step.get(step)
-        if mine is None or not (mine["category"] == "step").any():
+        if mine is None or not any(s == step for _, s in run.step_windows):
             continue
         path = _path(run, step, mine, pairs_by.get(step, pairs.iloc[:0]), coll_by.get(step))
         out.append(_bound(path))

@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..analyzers.partition import breakdown_table, partition_run
 from ..analyzers.collectives import collectives_by_dim
+from ..analyzers.critical_path import step_bounds
 from ..analyzers.gpu_timeline import gpu_timeline, is_launch_bound
 from ..analyzers.p2p import link_table, match_pairs
 from ..analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
@@ -216,6 +217,8 @@ def build_report(run, steps=None, ranks=None) -> dict:
             "stages": stages.to_dict("records") if len(stages) else [],
             "microbatch_times": _microbatch_rows(view, ranks),
         },
+        # per step, what bounded it: the cross-rank critical path ([] without a pipeline)
+        "critical_path": step_bounds(view),
         "p2p": {
             "pairs": len(sel_pairs) / n_steps,
             "wait_s": float(sel_pairs["wait_ns"].sum()) / 1e9 / n_steps,
@@ -275,6 +278,8 @@ def print_report(report: dict, console) -> None:
         else:
             t.caption = "theory: unknown (no closed form for this schedule and no pass order to replay)"
         console.print(t)
+    for bound in report.get("critical_path") or ():
+        console.print(f"[bold]critical path[/] {escape(bound['summary'])}", highlight=False)
     t = Table(title="Step time per rank (ms, mean over steps)")
     for col in ("rank", "where", "step", *PARTS, *(f"{d} hidden" for d in COMM_DIMS)):
         t.add_column(col, justify="right")
