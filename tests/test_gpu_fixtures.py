@@ -27,7 +27,7 @@ def world8(hta_fixtures):
 
 
 def test_every_nccl_kernel_knows_its_collective(world8):
-    """Old traces carry the collective only on the host: nccl_link finds it for every kernel,
+    """Old traces carry the collective only on the host: ingest/nccl.py finds it for every kernel,
     and the SendRecv kernels turn out to be all_to_all, not pipeline p2p."""
     k = world8.events[world8.events["category"] == "kernel_comm"]
     assert len(k) == 60 and k["collective"].notna().all()

@@ -104,7 +104,7 @@ def test_sendrecv_kernel_of_an_all_to_all_is_a_collective():
     _launch(t, 5, 40, 200, 100, "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclWorkElem)", stream=20)
     t.add("nccl:send", 70, 20, cat="user_annotation")
     _launch(t, 6, 75, 400, 50, "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclWorkElem)", stream=20)
-    from pptrace.ingest.schema import build_frame
+    from pptrace.ingest.frame import build_frame
 
     ev, _ = build_frame([(t.to_dict()["traceEvents"], None)], 0, t.base_ns, "x", [])
     kernels = ev[ev["category"] == "kernel_comm"].sort_values("start_ns")
@@ -120,7 +120,7 @@ def test_pg_desc_names_the_dim():
     t.add("record_param_comms", 30, 30, cat="cpu_op",
           args={"Collective name": "allreduce", "Process Group Name": "7"})
     _launch(t, 5, 40, 200, 100, "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)", stream=20)
-    from pptrace.ingest.schema import build_frame
+    from pptrace.ingest.frame import build_frame
 
     ev, _ = build_frame([(t.to_dict()["traceEvents"], None)], 0, t.base_ns, "x", [])
     groups = {"7": {"desc": "TENSOR_MODEL_PARALLEL_GROUP", "ranks": [2, 3]}}

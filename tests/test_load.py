@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pptrace.ingest import load, schema as events, store as cache
+from pptrace.ingest import frame, load, store as cache
 from pptrace.ingest.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
 from pptrace.ingest.schema import CATEGORIES, COLUMNS, RawEvent, classify
 from pptrace.ingest.load import find_trace_files, load_rank, read_header
@@ -303,11 +303,11 @@ def test_slices_the_typed_decoder_rejects_are_parsed_as_dicts(tmp_path, monkeypa
 
 
 def test_nullable_ints_value_by_value():
-    data, mask = events._nullable_parts([1, None, 2**70, "7", 3.0, 1.5, True, -(2**63)])
+    data, mask = frame._nullable_parts([1, None, 2**70, "7", 3.0, 1.5, True, -(2**63)])
     assert mask.tolist() == [False, True, True, True, False, True, True, False]
     assert data[~mask].tolist() == [1, 3, -(2**63)]
-    assert events._nullable_parts([None] * 3)[1].all()
-    assert events._nullable_parts((4, 5))[0].tolist() == [4, 5]
+    assert frame._nullable_parts([None] * 3)[1].all()
+    assert frame._nullable_parts((4, 5))[0].tolist() == [4, 5]
 
 
 # -------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 
 from pptrace.vocab import PARTS
 from pptrace.analyzers.p2p import match_pairs
-from pptrace.ingest.schema import build_frame
+from pptrace.ingest.frame import build_frame
 from pptrace.export.report import build_report
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout

@@ -1,4 +1,4 @@
-"""Per-rank trace file -> normalized events (see events.py), fast and with bounded memory.
+"""Per-rank trace file -> normalized events (see schema.py), fast and with bounded memory.
 
 A torch.profiler trace is one JSON document whose ``traceEvents`` array holds every event.
 Parsing it whole with orjson needs ~8x the file size in Python objects, so the array is cut
@@ -29,7 +29,8 @@ import msgspec
 import orjson
 
 from ..errors import TraceError
-from .schema import RawEvent, build_frame
+from .frame import build_frame
+from .schema import RawEvent
 
 #: Separators between events, most specific first: Kineto's indented output, then compact.
 _SEPARATORS = (b"\n  },\n  {", b"}, {", b"},{")
@@ -329,7 +330,7 @@ def _base_ns(header: dict) -> int:
 
 
 def load_rank(path, rank: int | None = None, *, typed: bool = True):
-    """Parse one rank's trace -> (events DataFrame in the events.py schema, meta dict).
+    """Parse one rank's trace -> (events DataFrame in the schema.py columns, meta dict).
 
     ``meta`` holds: path, rank, world_size, base_ns, pptrace (the block or None),
     distributed (distributedInfo or None), hostname, threads {tid: name}, profiler_steps,

@@ -1,0 +1,509 @@
+"""Parsed trace events -> one rank's events table (the columns of :mod:`.schema`).
+
+Columns are gathered slice by slice as plain lists (typed structs from msgspec, or dicts
+from the fallbacks), then turned into numpy/pandas columns once; classification, lanes,
+steps, NCCL links and the p2p facts of plain traces are whole-column passes over the
+finished table.
+"""
+from __future__ import annotations
+
+
+import math
+import re
+from itertools import compress
+from operator import attrgetter
+
+import msgspec
+import numpy as np
+import orjson
+import pandas as pd
+
+from .nccl import infer_nccl_p2p, link_nccl_kernels
+from .schema import (
+    COLUMNS, GPU_CATS, NULLABLE_INT_COLUMNS, TAG_COLUMNS, RawArgs, RawEvent, classify, profiler_step_number,
+)
+
+_EMPTY_ARGS = RawArgs()
+_RPC_ATTRS = (
+    ("Collective name", "collective"), ("Process Group Ranks", "group_ranks"),
+    ("Process Group Name", "pg_name"), ("In msg nelems", "in_nelems"),
+    ("Out msg nelems", "out_nelems"), ("dtype", "dtype"), ("Seq", "comm_seq"),
+    ("Src Rank", "src_rank"), ("Dst Rank", "dst_rank"),
+)
+
+# -------------------------------------------------------------------------------------------
+# building the table from parsed events
+# -------------------------------------------------------------------------------------------
+_TS_TEXT = re.compile(rb'"ts"\s*:\s*(-?)(\d+)(?:\.(\d*))?')
+# Beyond 2**43 us a float64 ts is coarser than 1 ns (epoch-microsecond traces), so the
+# nanoseconds must come from the decimal text.
+_EXACT_FLOAT_US = float(2**43)
+_RPC_FIELDS = {
+    "collective": "Collective name", "group_ranks": "Process Group Ranks",
+    "pg_name": "Process Group Name", "in_nelems": "In msg nelems",
+    "out_nelems": "Out msg nelems", "dtype": "dtype", "comm_seq": "Seq",
+    "src_rank": "Src Rank", "dst_rank": "Dst Rank",
+}
+_THREAD_PAREN = re.compile(r"^thread \d+ \((.*)\)\s*$")
+
+
+def _ns_from_text(sign: bytes, whole: bytes, frac: bytes) -> int:
+    frac = frac or b""
+    ns = int(whole) * 1000 + int((frac + b"000")[:3])
+    if len(frac) > 3 and frac[3:4] >= b"5":
+        ns += 1
+    return -ns if sign else ns
+
+
+def _ts_ns(ts: list, events: list, x_index: list, blob, warnings: list, path) -> np.ndarray:
+    t = np.asarray(ts, dtype=np.float64)
+    if t.size and np.abs(t).max() >= _EXACT_FLOAT_US and any(type(v) is float for v in ts):
+        if blob is not None:
+            texts = _TS_TEXT.findall(blob)
+            if events and type(events[0]) is RawEvent:
+                unset = msgspec.UNSET
+                has_ts = [e.ts is not unset for e in events]
+                x_index = _struct_x_index(events) if x_index is None else x_index
+            else:
+                has_ts = [type(e) is dict and "ts" in e for e in events]
+            if len(texts) == sum(has_ts):
+                slot, position = [], 0
+                for has in has_ts:
+                    slot.append(position)
+                    position += has
+                return np.array([_ns_from_text(*texts[slot[i]]) for i in x_index], dtype=np.int64)
+        if not any("nanosecond" in w for w in warnings):
+            warnings.append(f"{path}: epoch-microsecond timestamps; nanosecond fractions rounded")
+        return np.rint(t * 1000.0).astype(np.int64)
+    # Split off the integer microseconds (exact) so the fraction keeps full float precision.
+    whole = np.floor(t)
+    return whole.astype(np.int64) * 1000 + np.rint((t - whole) * 1000.0).astype(np.int64)
+
+
+#: the integer fields of ``args`` that become nullable Int64 columns directly
+_ARG_INTS = ("stream", "correlation", "external_id")
+
+
+def _all_null(n: int) -> pd.arrays.IntegerArray:
+    return pd.arrays.IntegerArray(np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool))
+
+
+def _join(pieces: list, dtype) -> np.ndarray:
+    if len(pieces) == 1:
+        return pieces[0]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+
+
+def _nullable_parts(values: list) -> tuple:
+    """(int64 data, null mask) of a list: ints within int64 (bool excluded) and floats with
+    an integral value are kept, anything else (None, huge ints, strings, 1.5) is null."""
+    n = len(values)
+    if values.count(None) == n:  # the common case for GPU-only fields on CPU traces
+        return np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
+    kinds = set(map(type, values))
+    try:
+        if kinds == {int}:
+            return np.array(values, dtype=np.int64), np.zeros(n, dtype=bool)
+        if kinds == {int, type(None)}:
+            arr = np.array(values, dtype=object)
+            mask = np.equal(arr, None)
+            arr[mask] = 0
+            return arr.astype(np.int64), mask
+    except OverflowError:
+        pass
+    keep = [_as_int64(v) for v in values]
+    mask = np.fromiter((v is None for v in keep), dtype=bool, count=n)
+    return np.array([0 if v is None else v for v in keep], dtype=np.int64), mask
+
+
+def _as_int64(v):
+    if type(v) is float and v.is_integer():
+        v = int(v)
+    return v if type(v) is int and -(2**63) <= v < 2**63 else None
+
+
+def _nullable(values: list) -> pd.arrays.IntegerArray:
+    return pd.arrays.IntegerArray(*_nullable_parts(values))
+
+
+class _Lookup(dict):
+    """value -> code, a new value getting the next code (dict lookups in C via map)."""
+
+    def __missing__(self, key):
+        code = self[key] = len(self)
+        return code
+
+
+class _Codes:
+    """Category codes of a column built slice by slice: values that are not strings become
+    ``bad`` ("" for names, null for torch categories); categories in order of first use."""
+
+    def __init__(self, bad):
+        self.bad = bad
+        self.lookup: dict = _Lookup()
+
+    def add(self, values: list) -> np.ndarray:
+        lookup, bad = self.lookup, self.bad
+        if values.count(None) == 0 and set(map(type, values)) == {str}:  # the usual case
+            return np.fromiter(map(lookup.__getitem__, values), dtype=np.int32, count=len(values))
+        codes, uniques = pd.factorize(np.array(values, dtype=object))
+        if (codes < 0).any() and bad is not None:
+            # nulls that become a real category: map value by value to keep first-use order
+            codes, uniques = pd.factorize(np.array([v if type(v) is str else bad for v in values], dtype=object))
+        remap = np.empty(len(uniques) + 1, dtype=np.int32)
+        remap[-1] = -1  # pandas' null code
+        for i, u in enumerate(uniques):
+            if type(u) is not str:
+                u = bad
+            remap[i] = -1 if u is None else lookup.setdefault(u, len(lookup))
+        return remap[codes]
+
+    def categorical(self, pieces: list) -> pd.Categorical:
+        codes = _join(pieces, np.int32)
+        return pd.Categorical.from_codes(codes, categories=pd.Index(list(self.lookup), dtype=object))
+
+
+def _int64(values: list) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        return np.asarray([v if -(2**63) <= v < 2**63 else -1 for v in values], dtype=np.int64)
+
+
+def _thread_label(name: str | None) -> str:
+    if not name:
+        return ""
+    match = _THREAD_PAREN.match(name)
+    return match.group(1) if match else name.strip()
+
+
+def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
+    """Parsed event slices -> (DataFrame with COLUMNS, info dict). One pass per slice, so
+    only one slice's Python objects are alive at a time: each slice becomes numpy arrays
+    (category codes, int64, nullable parts) before the next is parsed. A slice is a list of
+    event dicts (orjson / json) or of :class:`RawEvent` (typed decoding); both give the same
+    table."""
+    parts: dict = {k: [] for k in ("pid", "tid", "name", "cat", "start", "dur", *_ARG_INTS)}
+    names, cats = _Codes(bad=""), _Codes(bad=None)
+    rpc, threads, p2p = {}, {}, {}
+    dropped = 0
+    n_before = 0
+    for events, blob in slices:
+        typed = bool(events) and type(events[0]) is RawEvent
+        extract = _extract_structs if typed else _extract_dicts
+        cols: dict = {}
+        x_index, ts, dur, n_dropped = extract(events, cols, rpc, threads, n_before, p2p)
+        dropped += n_dropped
+        parts["start"].append(_ts_ns(ts, events, x_index, blob, warnings, path))
+        del events, ts
+        if not set(map(type, dur)) <= {int, float}:
+            dur = [v if type(v) in (int, float) else 0 for v in dur]
+        dur_us = np.asarray(dur, dtype=np.float64)
+        if not np.isfinite(dur_us).all():  # NaN / Infinity (json accepts them): no duration
+            dur_us = np.where(np.isfinite(dur_us), dur_us, 0.0)
+        parts["dur"].append(np.rint(np.maximum(dur_us, 0.0) * 1000.0).astype(np.int64))
+        parts["pid"].append(_int64(cols.pop("pid")))
+        parts["tid"].append(_int64(cols.pop("tid")))
+        parts["name"].append(names.add(cols.pop("name")))
+        parts["cat"].append(cats.add(cols.pop("cat")))
+        for key in _ARG_INTS:
+            parts[key].append(_nullable_parts(cols.pop(key)))
+        n_before += len(parts["dur"][-1])
+        del dur, dur_us, x_index, cols
+    if dropped > 8:  # Kineto's own span events have string pids; more means a strange file
+        warnings.append(f"{path}: skipped {dropped} events without numeric pid/tid/ts")
+    n = n_before
+    start = _join(parts.pop("start"), np.int64) + base_ns
+    dur = _join(parts.pop("dur"), np.int64)
+    df = pd.DataFrame({
+        "rank": np.full(n, rank, dtype=np.int32),
+        "pid": _join(parts.pop("pid"), np.int64), "tid": _join(parts.pop("tid"), np.int64),
+        "name": names.categorical(parts.pop("name")),
+        "cat": cats.categorical(parts.pop("cat")),
+        "start_ns": start, "end_ns": start + dur, "dur_ns": dur,
+    }, copy=False)
+    del start, dur
+    for key in _ARG_INTS:
+        pieces = parts.pop(key)
+        df[key] = pd.arrays.IntegerArray(_join([d for d, _ in pieces], np.int64), _join([m for _, m in pieces], bool))
+        del pieces
+    _add_classification(df)
+    gpu = df["cat"].isin(GPU_CATS).to_numpy()
+    # gpu_user_annotation events carry no "stream" arg; their tid is the stream.
+    no_stream = gpu & df["stream"].isna().to_numpy()
+    if no_stream.any():
+        df.loc[no_stream, "stream"] = df.loc[no_stream, "tid"].to_numpy()
+    main_tid = _main_tid(df, gpu)
+    _add_lanes(df, gpu, main_tid, threads)
+    _add_rpc(df, rpc)
+    _add_p2p_args(df, p2p)
+    link_nccl_kernels(df)
+    _add_steps(df, gpu)
+    infer_nccl_p2p(df, rank, warnings)  # plain NCCL traces: send/recv -> pp rows
+    info = {
+        "threads": {int(k): v for k, v in threads.items()},
+        "main_tid": main_tid,
+        "profiler_steps": sorted(int(s) for s in df.loc[df["category"] == "step", "step"].unique()),
+        "n_events": n,
+    }
+    return df[list(COLUMNS)].sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True), info
+
+
+_NO_ARGS: dict = {}
+
+
+def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before: int, p2p: dict):
+    """One slice of event dicts -> ``cols`` (name, cat, pid, tid and _ARG_INTS: one list
+    each, the slice's kept X events in order), rpc rows, thread names; returns
+    (x_index, ts, dur, dropped)."""
+    try:
+        x_index = [i for i, e in enumerate(events) if e.get("ph") == "X"]
+    except AttributeError:  # a non-object in the array: skip it
+        x_index = [i for i, e in enumerate(events) if type(e) is dict and e.get("ph") == "X"]
+    xs = [events[i] for i in x_index]
+    pids, tids, ts = [e.get("pid") for e in xs], [e.get("tid") for e in xs], [e.get("ts") for e in xs]
+    dropped = 0
+    # Kineto's own span events have string pids ("Spans"); drop anything not numeric.
+    if not (set(map(type, pids)) | set(map(type, tids))) <= {int} or not set(map(type, ts)) <= {int, float}:
+        ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pids, tids, ts)]
+        x_index = [i for i, good in zip(x_index, ok) if good]
+        xs = [events[i] for i in x_index]
+        dropped = len(ok) - len(xs)
+        pids, tids, ts = [e["pid"] for e in xs], [e["tid"] for e in xs], [e["ts"] for e in xs]
+    for e in [e for e in events if type(e) is dict and e.get("ph") == "M" and e.get("name") == "thread_name"]:
+        _name_thread(threads, e.get("tid"), (e.get("args") or {}).get("name"))
+    cols["name"] = [e.get("name") for e in xs]
+    cols["cat"] = [e.get("cat") for e in xs]
+    cols["pid"] = pids
+    cols["tid"] = tids
+    args = [e.get("args") or _NO_ARGS for e in xs]
+    if {type(a) for a in args} != {dict}:
+        args = [a if type(a) is dict else _NO_ARGS for a in args]
+    cols["stream"] = [a.get("stream") for a in args]
+    cols["correlation"] = [a.get("correlation") for a in args]
+    cols["external_id"] = [a.get("External id") for a in args]
+    for i in [i for i, a in enumerate(args) if "Collective name" in a]:
+        rpc[n_before + i] = args[i]
+    for i in _p2p_positions(cols["name"]):
+        a = args[i]
+        p2p[n_before + i] = p2p_args(cols["name"][i], a.get("Concrete Inputs"), a.get("Input Dims"), a.get("Input type"))
+    return x_index, ts, [e.get("dur", 0) for e in xs], dropped
+
+
+_X_FIELDS = tuple(attrgetter(f) for f in ("name", "cat", "pid", "tid", "ts", "dur", "args"))
+_ARG_FIELDS = tuple(attrgetter(f) for f in ("stream", "correlation", "external_id", "collective"))
+
+
+def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_before: int, p2p: dict):
+    """:func:`_extract_dicts` for a slice of :class:`RawEvent` (absent keys are None, like
+    ``dict.get``; ``dur`` defaults to 0 and "Collective name" to UNSET, as there). Columns
+    are read in C (map + attrgetter), and x_index is None: only the rare exact-ts path
+    needs it (see :func:`_struct_x_index`)."""
+    xs = [e for e in events if e.ph == "X"]
+    name, cat, pid, tid, ts, dur, args = (list(map(get, xs)) for get in _X_FIELDS)
+    dropped = 0
+    if not (set(map(type, pid)) | set(map(type, tid))) <= {int} or not set(map(type, ts)) <= {int, float}:
+        ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pid, tid, ts)]
+        dropped = len(ok) - sum(ok)
+        name, cat, pid, tid, ts, dur, args = (list(compress(c, ok)) for c in (name, cat, pid, tid, ts, dur, args))
+    for e in [e for e in events if e.ph == "M" and e.name == "thread_name"]:
+        _name_thread(threads, e.tid, (e.args or _EMPTY_ARGS).name)
+    cols["name"], cols["cat"], cols["pid"], cols["tid"] = name, cat, pid, tid
+    if args.count(None) == len(args):
+        nothing = [None] * len(args)
+        cols["stream"] = cols["correlation"] = cols["external_id"] = nothing
+        return None, ts, dur, dropped
+    args = [a or _EMPTY_ARGS for a in args]
+    cols["stream"], cols["correlation"], cols["external_id"], collective = (list(map(get, args)) for get in _ARG_FIELDS)
+    unset = msgspec.UNSET
+    if collective.count(unset) != len(collective):
+        for i in [i for i, c in enumerate(collective) if c is not unset]:
+            rpc[n_before + i] = {key: getattr(args[i], attr) for key, attr in _RPC_ATTRS}
+    for i in _p2p_positions(name):
+        a = args[i]
+        if name[i].startswith("c10d::"):  # only what each kind of row uses is decoded
+            p2p[n_before + i] = p2p_args(name[i], _raw_value(a.concrete), None, None)
+        else:
+            p2p[n_before + i] = p2p_args(name[i], None, _raw_value(a.input_dims), _raw_value(a.input_type))
+    return None, ts, dur, dropped
+
+
+def _struct_x_index(events: list) -> list:
+    """Positions in the slice of the X events :func:`_extract_structs` keeps."""
+    return [i for i, e in enumerate(events) if e.ph == "X" and type(e.pid) is int and type(e.tid) is int
+            and type(e.ts) in (int, float)]
+
+
+def _name_thread(threads: dict, tid, name) -> None:
+    label = _thread_label(name)
+    # Kineto may name one tid twice ("python", then the real worker name).
+    if label and (label != "python" or tid not in threads):
+        threads[tid] = label
+
+
+def _add_classification(df: pd.DataFrame) -> None:
+    names, cats = df["name"].cat, df["cat"].cat
+    ncat = len(cats.categories) + 1
+    key = names.codes.to_numpy().astype(np.int64) * ncat + (cats.codes.to_numpy().astype(np.int64) + 1)
+    uniq, inverse = np.unique(key, return_inverse=True)
+    infos = []
+    for k in uniq:
+        c = int(k % ncat) - 1
+        infos.append(classify(names.categories[int(k // ncat)], cats.categories[c] if c >= 0 else None))
+    for column in ("kind", "op", "tags", "category"):
+        codes, uniques = pd.factorize(pd.Series([d[column] for d in infos], dtype=object))
+        df[column] = pd.Categorical.from_codes(codes[inverse], categories=pd.Index(uniques, dtype=object))
+    for column in TAG_COLUMNS:
+        df[column] = pd.array([d[column] for d in infos], dtype="Int64").take(inverse)
+    df["is_nccl"] = np.asarray([d["is_nccl"] for d in infos], dtype=bool)[inverse] if infos else np.zeros(0, bool)
+
+
+def _main_tid(df: pd.DataFrame, gpu: np.ndarray) -> int | None:
+    host = df.loc[~gpu, ["pid", "tid", "category"]]
+    if host.empty:
+        return None
+    own = host.loc[host["pid"] == host["tid"], "tid"]
+    if not own.empty:
+        return int(own.mode().iloc[0])
+    stepped = host.loc[host["category"] == "step", "tid"]
+    return int((stepped if not stepped.empty else host["tid"]).mode().iloc[0])
+
+
+def _add_lanes(df: pd.DataFrame, gpu: np.ndarray, main_tid, threads: dict) -> None:
+    tid = df["tid"].to_numpy()
+    key = np.where(gpu, -1 - tid, tid)  # streams and host threads never share a key
+    uniq, inverse = np.unique(key, return_inverse=True)
+    labels = []
+    for k in uniq:
+        if k < 0:
+            labels.append(f"stream {-1 - k}")
+        elif k == main_tid:
+            labels.append("main")
+        else:
+            labels.append(f"thread:{k} {threads.get(int(k), '')}".rstrip())
+    df["lane"] = pd.Categorical.from_codes(inverse, categories=pd.Index(labels, dtype=object)) if len(uniq) else pd.Categorical([])
+    df["lane_kind"] = pd.Categorical.from_codes(gpu.astype(np.int8), categories=["host", "gpu"])
+    df["gpu_annotation"] = (df["cat"] == "gpu_user_annotation").to_numpy()
+    df["inferred"] = np.zeros(len(df), dtype=bool)
+
+
+def _add_rpc(df: pd.DataFrame, rpc: dict) -> None:
+    n = len(df)
+    rows = np.fromiter(rpc.keys(), dtype=np.int64, count=len(rpc))
+    for column, key in _RPC_FIELDS.items():
+        values = [rpc[r].get(key) for r in rows]
+        if column in NULLABLE_INT_COLUMNS:
+            full = _all_null(n)
+            if len(rows):
+                full[rows] = _nullable([v if type(v) is int else None for v in values])
+            df[column] = full
+        else:
+            # categorize the few rpc rows, then spread their codes (as pd.Categorical of the
+            # full column would: sorted categories, same dtype)
+            small = pd.Categorical(np.array([str(v) if v is not None else None for v in values] or [None], dtype=object))
+            codes = np.full(n, -1, dtype=small.codes.dtype)
+            if len(rows):
+                codes[rows] = small.codes
+            df[column] = pd.Categorical.from_codes(codes, dtype=small.dtype)
+
+
+# -------------------------------------------------------------------------------------------
+# p2p ops of plain traces: what torch writes on them with record_shapes=True
+# -------------------------------------------------------------------------------------------
+#: The host ops of a c10d p2p op: the post (``c10d::send`` / ``c10d::recv_``, whose
+#: "Concrete Inputs" are ["", "", "<peer group rank>", "<tag>"]) and gloo's range from the
+#: post until wait() returns ("Input Dims" / "Input type" give the message size).
+P2P_OP_NAMES = frozenset({"c10d::send", "c10d::recv_", "gloo:send", "gloo:recv"})
+#: torch.profiler's "Input type" names -> bytes per element
+DTYPE_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
+    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+}
+
+
+def _p2p_positions(names: list) -> list:
+    """Positions of P2P_OP_NAMES in a slice's names (set lookups in C: this runs per event)."""
+    try:
+        return list(compress(range(len(names)), map(P2P_OP_NAMES.__contains__, names)))
+    except TypeError:  # an unhashable name (a list): test value by value
+        return [i for i, n in enumerate(names) if type(n) is str and n in P2P_OP_NAMES]
+
+
+def _raw_value(raw):
+    if not raw:
+        return None
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+
+
+def _small_int(text):
+    if type(text) is int:
+        return text
+    if type(text) is str and text.strip().lstrip("-").isdigit():
+        return int(text)
+    return None
+
+
+def p2p_args(name: str, concrete, dims, types) -> dict | None:
+    """What a p2p op's args say: {"group_peer", "tag"} of a c10d post, {"bytes"} of a gloo
+    range; None when the args are absent (record_shapes=False) or odd."""
+    if name.startswith("c10d::"):
+        if not isinstance(concrete, list) or len(concrete) < 4:
+            return None
+        peer, tag = _small_int(concrete[2]), _small_int(concrete[3])
+        return None if peer is None else {"group_peer": peer, "tag": 0 if tag is None else tag}
+    if not (isinstance(dims, list) and isinstance(types, list)) or not dims or len(dims) != len(types):
+        return None
+    total = 0
+    for shape, dtype in zip(dims, types):
+        size = DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+        if size is None or not isinstance(shape, list) or not all(type(d) is int for d in shape):
+            return None
+        total += size * math.prod(shape)
+    return {"bytes": total}
+
+
+def _add_p2p_args(df: pd.DataFrame, p2p: dict) -> None:
+    """c10d posts get tags {"group_peer": g, "tag": t} (the peer is a rank of the op's process
+    group, which the trace does not name: pptrace.ingest.infer maps it to a global rank); gloo
+    ranges get ``bytes``."""
+    found = {row: args for row, args in p2p.items() if args}
+    if not found:
+        return
+    sized = {row: a["bytes"] for row, a in found.items() if "bytes" in a}
+    if sized:
+        col = df["bytes"].copy()
+        col.iloc[list(sized)] = list(sized.values())
+        df["bytes"] = col
+    peers = {row: orjson.dumps(a, option=orjson.OPT_SORT_KEYS).decode() for row, a in found.items() if "group_peer" in a}
+    if peers:
+        tags = df["tags"].cat.add_categories(sorted(set(peers.values()) - set(df["tags"].cat.categories)))
+        values = pd.Series(list(peers.values()), dtype=tags.dtype)
+        codes = tags.cat.codes.to_numpy().copy()
+        codes[list(peers)] = values.cat.codes.to_numpy()
+        df["tags"] = pd.Categorical.from_codes(codes, dtype=tags.dtype)
+
+
+def _add_steps(df: pd.DataFrame, gpu: np.ndarray) -> None:
+    step = np.full(len(df), -1, dtype=np.int32)
+    marks = df.loc[(df["category"] == "step").to_numpy() & ~gpu, ["name", "start_ns", "end_ns"]]
+    if not marks.empty:
+        marks = marks.assign(n=[profiler_step_number(x) for x in marks["name"]]).sort_values("start_ns")
+        s0, s1, num = (marks[c].to_numpy() for c in ("start_ns", "end_ns", "n"))
+        start = df["start_ns"].to_numpy()
+        i = np.searchsorted(s0, start, side="right") - 1
+        inside = (i >= 0) & (start < s1[np.clip(i, 0, None)])
+        step = np.where(inside, num[np.clip(i, 0, None)], -1).astype(np.int32)
+        # GPU work runs after its step's CPU side: give it the step of the launching call.
+        corr = df["correlation"]
+        launch = (~gpu) & corr.notna().to_numpy()
+        if gpu.any() and launch.any():
+            by_corr = pd.Series(step[launch], index=corr[launch].to_numpy())
+            by_corr = by_corr[~by_corr.index.duplicated()]
+            g = gpu & corr.notna().to_numpy()
+            mapped = by_corr.reindex(corr[g].to_numpy()).to_numpy()
+            step[g] = np.where(pd.isna(mapped), step[g], mapped).astype(np.int32)
+    df["step"] = step
