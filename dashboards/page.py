@@ -87,7 +87,7 @@ def _header(run, report: dict) -> str:
             f"{warn_html}</header>")
 
 
-def build_figures(run, report: dict, *, partitions=None, whatif_result: dict | None = None,
+def build_figures(run, report: dict, *, partitions, whatif_result: dict | None = None,
                   whatif_note: str | None = None) -> dict:
     """The page's figures, drawn from what the caller computed: the contract-4 ``report``,
     the StepPartitions it was built from (``partitions``: the timeline's grey is their
@@ -95,11 +95,8 @@ def build_figures(run, report: dict, *, partitions=None, whatif_result: dict | N
     ``whatif_note`` says why). Nothing is analysed here: the windows are the Run's own."""
     steps = (report.get("run") or {}).get("steps") or None
     tl = build_timeline(run.events, run.layout, run.step_windows, run.pipeline_windows,
-                        partitions or (), steps=steps)
-    timeline = timeline_figure(tl)
-    if partitions is None:  # a caller's omission must not look like a run without bubble
-        timeline.update_layout(title="Pipeline timeline (no step partition given: pp_bubble not drawn)")
-    figures = {"timeline": timeline}
+                        partitions, steps=steps)
+    figures = {"timeline": timeline_figure(tl)}
     if run.layout.pp > 1:
         figures["replay"] = replay_figure(report, whatif_result, why_none=whatif_note)
     figures.update(report_figures(report))
@@ -235,7 +232,7 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
     return paths
 
 
-def write_dashboard(run, report: dict, out_path, *, partitions=None, whatif_result: dict | None = None,
+def write_dashboard(run, report: dict, out_path, *, partitions, whatif_result: dict | None = None,
                     whatif_note: str | None = None, png_dir=None) -> Path:
     """Write the page for ``run`` (a :class:`pptrace.ingest.run.Run`), its contract-4 ``report``
     and the results beside it (see :func:`build_figures`); with ``png_dir``, also one PNG per

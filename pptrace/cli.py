@@ -187,27 +187,10 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta)
 
             print_comparison(*comparison, _console())
     if html_out:
-        _write_page(run, report, html_out)
+        from .export.dashboard import write_page
+
+        write_page(run, report, html_out)
         _console(stderr=True).print(f"dashboard: {html_out}")
-
-
-def _write_page(run, report: dict, path: Path, png_dir=None) -> Path:
-    """The dashboard of ``run`` beside its ``report``. The page only draws results, so they
-    are gathered here, once: the step partitions the report was built from (the timeline's
-    grey) and the what-if replay, or why there is none."""
-    from dashboards import write_dashboard
-
-    from .analyzers.partition import partition_run
-    from .whatif.predict import whatif as predict
-
-    result, note = None, None
-    if run.layout.pp > 1:
-        try:
-            result = predict(run)
-        except ValueError as exc:  # a run the simulator cannot replay: the page says why
-            note = " ".join(str(exc).split())
-    return write_dashboard(run, report, path, partitions=partition_run(run), whatif_result=result,
-                           whatif_note=note, png_dir=png_dir)
 
 
 @cli.command()
@@ -223,7 +206,9 @@ def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
 
     run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
     output = output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
-    path = _write_page(run, build_report(run), output, png_dir=png_dir)
+    from .export.dashboard import write_page
+
+    path = write_page(run, build_report(run), output, png_dir=png_dir)
     click.echo(f"dashboard: {path}")
     if png_dir:
         click.echo(f"figures: {png_dir}")
@@ -300,5 +285,7 @@ def demo(out: Path, trainer_args):
     report = build_report(run)
     print_report(report, _console())
     _write_json(report, str(out / "analysis.json"))
-    html = _write_page(run, report, out / "report.html")
+    from .export.dashboard import write_page
+
+    html = write_page(run, report, out / "report.html")
     click.echo(f"\nanalysis: {out / 'analysis.json'}\ndashboard: {html}")

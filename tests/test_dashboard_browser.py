@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_dashboard import write_gpipe_run
+from dashboard_runs import synthetic_report, write_gpipe_run
 
 CHROMIUM = "/usr/bin/chromium"
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -243,7 +243,6 @@ def test_png_export_through_kaleido(browser, tmp_path):
     """--png: kaleido drives the same system Chromium; one real image per figure asked for."""
     from dashboards.figures import bubble_figure
     from dashboards.page import write_pngs
-    from test_dashboard import synthetic_report
     from pptrace.topology import Layout
 
     paths = write_pngs({"bubble": bubble_figure(synthetic_report(Layout(pp=4)))}, tmp_path / "png")

@@ -82,9 +82,9 @@ def check_whatif_replay(run, schedule: str, limit: float = 0.10) -> None:
 
 def check_dashboard(run, report: dict, path) -> None:
     """The dashboard page is written with every figure and its data."""
-    from dashboards import write_dashboard
+    from pptrace.export.dashboard import write_page
 
-    html = write_dashboard(run, report, path).read_text()
+    html = write_page(run, report, path).read_text()
     for key in ("timeline", "replay", "partition", "bubble", "p2p_links"):
         assert f'id="fig-{key}"' in html, key
     assert html.count('type="application/json"') >= 5  # the figures' data
