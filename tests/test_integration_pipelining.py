@@ -136,7 +136,7 @@ def _truth_orders(m: Measured) -> tuple[list, list]:
 
 def _truth_replay(m: Measured, step: int | None = None) -> list:
     """Per pipeline position, its bubble in a zero-latency replay of the schedule's own action
-    order (eager sends, simulate.action_programs) with the passes as the harness timed them:
+    order (eager sends, replay.action_programs) with the passes as the harness timed them:
     makespan - that position's compute. ``step``: each pass takes its own duration in that
     step; None: the mean per (op, stage) over the profiled steps."""
     import dataclasses
@@ -158,7 +158,7 @@ def _truth_replay(m: Measured, step: int | None = None) -> list:
     else:
         own = {(op, stage, mb): seconds for op, stage, mb, seconds in passes}
         stage_of = {(placement[g], g // p): g for g in range(len(placement))}  # (position, chunk) -> stage
-        programs = [[dataclasses.replace(op, seconds=own[op.kind, stage_of[pos, op.chunk], op.mb])
+        programs = [[dataclasses.replace(op, duration=own[op.kind, stage_of[pos, op.chunk], op.mb])
                      if op.kind in ("F", "B", "I", "W") else op for op in program]
                     for pos, program in enumerate(action_programs(orders, placement))]
     mbs = next(iter(m.truth.values()))["microbatches"]

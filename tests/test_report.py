@@ -104,9 +104,9 @@ def test_report_through_load_run(tmp_path, block_last):
         doc = trace_doc(rank, 2, ranges, layout=layout)
         # one host: one clock, so the loaded run is the hand-built view, offsets 0
         doc["pptrace"].update(schedule="1f1b", microbatches=2, steps=[1], hostname="node0")
-        if block_last:
-            doc["pptrace"] = doc.pop("pptrace")
-            assert list(doc).index("pptrace") > list(doc).index("traceEvents")
+        block = doc.pop("pptrace")
+        doc = {**doc, "pptrace": block} if block_last else {"pptrace": block, **doc}
+        assert (list(doc).index("pptrace") > list(doc).index("traceEvents")) == block_last
         (traces / f"rank{rank}.json.gz").write_bytes(gzip.compress(orjson.dumps(doc)))
     run = load_run(tmp_path / "run")
     assert (run.layout.pp, run.layout.dp) == (2, 1)

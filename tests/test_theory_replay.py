@@ -1,5 +1,5 @@
 """Theory for schedules without a closed form: the schedule's own action order replayed with
-free p2p (simulate.action_programs). Where a closed form exists the replay must reproduce it,
+free p2p (replay.action_programs). Where a closed form exists the replay must reproduce it,
 which is what makes it trustworthy where none exists."""
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> l
             "breakdown_s": {part: getattr(row, part) for part in PARTS},
             "hidden_s": {d: getattr(row, f"hidden_{d}") for d in COMM_DIMS},
         } for row in mine.itertuples()]
-        # GPU timeline (gpu.py): beside the partition, memcpy and idle apart, launch-bound
+        # GPU timeline (analyzers/gpu_timeline.py): beside the partition, memcpy and idle apart, launch-bound
         on_gpu = gpu[gpu["rank"] == rank].set_index("step") if len(gpu) else gpu
         for entry in steps:
             if entry["step"] in on_gpu.index:

@@ -3,7 +3,7 @@ straggler or with free p2p, and predict the step time.
 
 Flow: measured durations from the Run (per stage and microbatch: forward, backward, weight
 grad; per link p2p latency; host overhead per op; the fixed part of the step outside the
-pipeline window) -> ``simulate.simulate`` -> a JSON-ready dict. The measured schedule is
+pipeline window) -> ``replay.simulate`` -> a JSON-ready dict. The measured schedule is
 replayed too (``replay``): its error against the measured step says how far to trust the
 prediction.
 """
@@ -44,7 +44,7 @@ class Measured:
     notes: list = field(default_factory=list)
     overlap_p2p_comm: bool = False  # the run's interleaved exchanges were Megatron's overlapped ones
     #: a schedule pptrace has no table for: the programs built from its own action order
-    #: (simulate.action_programs), replayed with eager sends as torch posts them
+    #: (replay.action_programs), replayed with eager sends as torch posts them
     programs: list | None = None
 
 
