@@ -47,6 +47,13 @@ def _fmt_int(v) -> str | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else str(int(v))
 
 
+def fmt_ms(ms) -> str:
+    """A duration in ms, the one unit of every figure: µs resolution, and kernels shorter
+    than a µs keep their digits."""
+    ms = float(ms)
+    return f"{ms:.3f} ms" if abs(ms) >= 0.01 or ms == 0 else f"{ms:.3g} ms"
+
+
 def _layout_of(report: dict) -> Layout | None:
     try:
         return Layout.from_dict(report["run"]["layout"])
@@ -98,7 +105,7 @@ def _block_hover(blocks, lane_label: dict) -> list[str]:
             parts[1] += f" · microbatch {mb}" + (f" chunk {chunk}" if chunk is not None else "")
         if peer is not None:
             parts[1] += f" · peer rank {peer}"
-        parts.append(f"{r.start_ms:.3f} ms + {r.dur_ns / 1000:.3f} µs")
+        parts.append(f"at {r.start_ms:.3f} ms, {fmt_ms(r.dur_ns / 1e6)} long")
         if r.merged > 1:
             parts.append(f"{r.merged} ops merged at full view (duration = their sum)")
         out.append("<br>".join(parts))
@@ -166,14 +173,18 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
                 step=step)
         if not idle.empty:
             text = [f"pp_bubble (step partition)<br>{esc(lane_label.get(r, f'rank {r}'))}<br>"
-                    f"{a:.3f} ms + {1000 * (b - a):.3f} µs"
+                    f"at {a:.3f} ms, {fmt_ms(b - a)} long"
                     for r, a, b in zip(idle["rank"], idle["start_ms"], idle["end_ms"])]
             add(*block_traces(idle["start_ms"].to_numpy(), idle["end_ms"].to_numpy(),
                                idle["rank"].map(y_of).to_numpy(dtype=float), 0.8, text,
                                name="idle: pp_bubble", color="#9E9E9E", fill=IDLE_COLOR,
                                meta={"step": step, "phase": "idle"}, px_per_unit=px_per_ms),
                 step=step)
-        for phase, pb in blocks.groupby("phase", sort=False):
+        # legend entries in PHASE_STYLE's order, not the order the phases first occur in
+        # this run's events (which would shuffle the legend from one run to the next)
+        order = {phase: i for i, phase in enumerate(PHASE_STYLE)}
+        for phase in sorted(blocks["phase"].unique(), key=lambda ph: (order.get(ph, len(order)), ph)):
+            pb = blocks[blocks["phase"] == phase]
             name, color = PHASE_STYLE.get(phase, (phase, "#888888"))
             row = pb["row"].iloc[0]
             offset, height = row_offset[row]
@@ -187,6 +198,13 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
         labelled = blocks[blocks["phase"].isin(["F", "B", "W"]) & (blocks["merged"] == 1)]
         if not labelled.empty:
             add(_label_trace(labelled, y_of, step, px_row, span), step=step)
+        # autorange stops on the last block's edge, which then reads as cut off: an invisible
+        # point 2% past the step's end keeps it inside the plot (and follows the step buttons)
+        end = max(float(blocks["end_ms"].max()) if len(blocks) else tl.step_spans_ms[step][1],
+                  tl.pipeline_ms.get(step, (0.0, 0.0))[1])
+        add(go.Scatter(x=[1.02 * end], y=[y_range[1]], mode="markers", marker=dict(opacity=0, size=1),
+                       hoverinfo="skip", showlegend=False, meta={"step": step, "phase": "extent"}),
+            step=step)
 
     first = tl.steps[0]
     for trace, step in zip(fig.data, step_of_trace):
@@ -265,28 +283,40 @@ def partition_figure(report: dict) -> go.Figure:
     return fig
 
 
+def _traced(stage: dict) -> bool:
+    """Whether any rank of the stage was loaded: a stage whose ranks are all missing or
+    filtered out has no measurement, and its zeros (and a theory from t_f = t_b = 0) are not
+    numbers to draw."""
+    return stage.get("ranks") is None or bool(stage["ranks"])
+
+
 def bubble_figure(report: dict) -> go.Figure:
     """Measured vs theoretical bubble fraction per pipeline stage; the measured bar is split
     into the part the schedule causes and the part owed to p2p latency when the report has
-    that split."""
+    that split. A stage with no traced rank keeps its place, with no bars."""
     stages = (report.get("pipeline") or {}).get("stages") or []
     if not stages:
         return _empty("Pipeline bubble per stage", "the report has no pipeline stages")
-    x = [f"stage {s.get('stage')}" for s in stages]
-    measured = [100 * float(s.get("bubble_fraction") or 0) for s in stages]
-    theory = [None if s.get("theory_bubble_fraction") is None
-              else 100 * float(s["theory_bubble_fraction"]) for s in stages]
-    bubble_ms = [1000 * float(s.get("bubble_s") or 0) for s in stages]
+    traced = [_traced(s) for s in stages]
+    x = [f"stage {s.get('stage')}" + ("" if on else " (not traced)") for s, on in zip(stages, traced)]
+
+    def per_stage(value):
+        return [value(s) if on else None for s, on in zip(stages, traced)]
+
+    measured = per_stage(lambda s: 100 * float(s.get("bubble_fraction") or 0))
+    theory = per_stage(lambda s: None if s.get("theory_bubble_fraction") is None
+                       else 100 * float(s["theory_bubble_fraction"]))
+    bubble_ms = per_stage(lambda s: 1000 * float(s.get("bubble_s") or 0))
     theory_bar = go.Bar(x=x, y=theory, name="theory (from measured t_f, t_b)", marker_color="#4C78A8",
                         offsetgroup="theory", hovertemplate="theory %{y:.2f}%<extra>%{x}</extra>")
     if all(s.get("bubble_latency_s") is not None and s.get("bubble_schedule_s") is not None
-           and s.get("step_s") for s in stages):
-        latency_ms = [1000 * float(s["bubble_latency_s"]) for s in stages]
-        latency = [100 * float(s["bubble_latency_s"]) / float(s["step_s"]) for s in stages]
-        schedule = [100 * float(s["bubble_schedule_s"]) / float(s["step_s"]) for s in stages]
+           and s.get("step_s") for s, on in zip(stages, traced) if on):
+        latency_ms = per_stage(lambda s: 1000 * float(s["bubble_latency_s"]))
+        latency = per_stage(lambda s: 100 * float(s["bubble_latency_s"]) / float(s["step_s"]))
+        schedule = per_stage(lambda s: 100 * float(s["bubble_schedule_s"]) / float(s["step_s"]))
         bars = [
             go.Bar(x=x, y=schedule, name="measured: schedule", marker_color=PART_COLORS["pp_bubble"],
-                   offsetgroup="measured", customdata=[1000 * float(s["bubble_schedule_s"]) for s in stages],
+                   offsetgroup="measured", customdata=per_stage(lambda s: 1000 * float(s["bubble_schedule_s"])),
                    hovertemplate="caused by the schedule %{y:.2f}% (%{customdata:.3f} ms)<extra>%{x}</extra>"),
             go.Bar(x=x, y=latency, base=schedule, name="measured: p2p latency + host gaps",
                    marker_color="#F2CF5B", offsetgroup="measured", customdata=latency_ms,
@@ -305,25 +335,32 @@ def bubble_figure(report: dict) -> go.Figure:
         if pipe.get("theory_bubble_fraction") is not None:
             sub += f", {100 * pipe['theory_bubble_fraction']:.1f}% theory"
     fig.update_layout(barmode="group", title="Pipeline bubble per stage" + sub,
-                      yaxis_title="% of step", height=380, legend=TOP_LEGEND)
+                      yaxis_title="% of step", height=380, legend=TOP_LEGEND, legend_traceorder="normal")
     return fig
+
+
+def _pp_size(report: dict) -> int:
+    layout = _layout_of(report)
+    return layout.pp if layout else 1
 
 
 def comm_figure(report: dict) -> go.Figure:
     """Exposed vs hidden communication per dimension as the report's collectives rows give it
-    (mean per rank per step, ms), and the pipeline's p2p transfer (pp_transfer, the ranks'
-    reported means averaged)."""
+    (mean per rank per step, ms), and, on a pipeline, its p2p transfer (pp_transfer, the
+    ranks' reported means averaged)."""
     rows = [r for r in _collective_rows(report)
             if r.get("exposed_s") is not None or r.get("hidden_s") is not None]
     means = [r["mean"] for r in report.get("ranks") or [] if r.get("mean")]
-    if not rows and not means:
-        return _empty("Communication exposed vs hidden", "the report has no per-rank steps")
+    transfer_ms = 1000 * _mean(m["breakdown_s"].get("pp_transfer") for m in means)
+    with_pp = bool(means) and (_pp_size(report) > 1 or transfer_ms > 0)
+    if not rows and not with_pp:
+        return _empty("Communication exposed vs hidden", "the report has no communication")
     x = [esc(r.get("dim", r.get("kind"))) for r in rows]
     exposed = [1000 * float(r.get("exposed_s") or 0) for r in rows]
     hidden = [1000 * float(r.get("hidden_s") or 0) for r in rows]
-    if means:
+    if with_pp:
         x.append("pp (transfer)")
-        exposed.append(1000 * _mean(m["breakdown_s"].get("pp_transfer") for m in means))
+        exposed.append(transfer_ms)
         hidden.append(0.0)
     fig = go.Figure([
         go.Bar(x=x, y=exposed, name="exposed (no compute running)",
@@ -332,7 +369,8 @@ def comm_figure(report: dict) -> go.Figure:
                hovertemplate="hidden %{y:.3f} ms<extra>%{x}</extra>"),
     ])
     fig.update_layout(barmode="group", title="Communication: exposed vs hidden per dimension",
-                      yaxis_title="ms per rank per step", height=360, legend=TOP_LEGEND)
+                      yaxis_title="ms per step (mean over ranks)", height=360, legend=TOP_LEGEND,
+                      legend_traceorder="normal")
     return fig
 
 
@@ -343,18 +381,21 @@ def p2p_matrix_figure(report: dict) -> go.Figure:
         return _empty("p2p links", "no matched pipeline send/recv pairs in the report")
     world = int((report.get("run") or {}).get("world_size") or 0)
     n = max([world, *[int(link["src"]) + 1 for link in links], *[int(link["dst"]) + 1 for link in links]])
-    metrics = (("bytes", "bytes", 1.0), ("wait_s", "wait (ms)", 1000.0),
-               ("transfer_s", "transfer (ms)", 1000.0))
+    # (report key, panel title, hover name, scale, hover value, cell text)
+    metrics = (("bytes", "bytes per step", "bytes", 1.0, "%{z:,.0f} B", "%{z:.3~s}"),
+               ("wait_s", "wait (ms per step)", "wait", 1000.0, "%{z:.3f} ms", "%{z:.3~f}"),
+               ("transfer_s", "transfer (ms per step)", "transfer", 1000.0, "%{z:.3f} ms", "%{z:.3~f}"))
     fig = make_subplots(rows=1, cols=3, subplot_titles=[m[1] for m in metrics],
                         horizontal_spacing=0.08)
-    for col, (key, label, scale) in enumerate(metrics, start=1):
+    for col, (key, _, label, scale, hover, text) in enumerate(metrics, start=1):
         z = np.full((n, n), np.nan)
         for link in links:
             z[int(link["src"]), int(link["dst"])] = float(link.get(key) or 0) * scale
         fig.add_trace(go.Heatmap(
             z=z, x=list(range(n)), y=list(range(n)), colorscale="Viridis", showscale=False,
-            texttemplate="%{z:.3~f}" if n <= 16 else None, textfont=dict(size=10),
-            hovertemplate=f"src %{{y}} → dst %{{x}}<br>{label}: %{{z:.3f}}<extra></extra>",
+            texttemplate=text if n <= 16 else None, textfont=dict(size=10),
+            hoverongaps=False,  # a pair with no link has no value: no "NaN" label to hover
+            hovertemplate=f"src rank %{{y}} → dst rank %{{x}}<br>{label}: {hover}<extra></extra>",
         ), row=1, col=col)
         ticks = dict(tickmode="linear", dtick=1 if n <= 16 else max(1, n // 16))
         fig.update_xaxes(title_text="dst rank", row=1, col=col, **ticks)
@@ -376,49 +417,105 @@ def _collective_rows(report: dict) -> list[dict]:
     return [r for r in rows if isinstance(r, dict) and ("dim" in r or "kind" in r)]
 
 
+def _rank_comm(report: dict) -> tuple[list[dict], dict]:
+    """The ranks (stage order) and, per dimension with any communication, each rank's
+    exposed and hidden ms per step: the report's ``mean.breakdown_s[<dim>_exposed]`` and
+    ``mean.hidden_s[<dim>]``, which hold every exchange of the dimension — collectives and
+    p2p alike (a ring attention's cp exchanges are p2p ranges, and no collective row has them)."""
+    ranks = [r for r in _ranks_in_stage_order(report) if r.get("mean")]
+    dims = {}
+    for dim in vocab.COMM_DIMS:
+        exposed = [1000 * float((r["mean"].get("breakdown_s") or {}).get(f"{dim}_exposed") or 0) for r in ranks]
+        hidden = [1000 * float((r["mean"].get("hidden_s") or {}).get(dim) or 0) for r in ranks]
+        if any(exposed) or any(hidden):
+            dims[dim] = (exposed, hidden)
+    return ranks, dims
+
+
+def _split_rows(report: dict) -> list[dict]:
+    return [r for r in _collective_rows(report)
+            if float(r.get("wait_s") or 0) + float(r.get("transfer_s") or 0) > 0]
+
+
 def collectives_figure(report: dict) -> go.Figure:
-    """Collective time per dimension split into waiting for late ranks vs transferring."""
-    rows = _collective_rows(report)
-    rows = [r for r in rows if r.get("wait_s") is not None or r.get("transfer_s") is not None]
-    if not rows:
-        return _empty("Collectives: wait vs transfer", "the report has no collective wait/transfer")
-    x = [esc(r.get("dim", r.get("kind"))) + (f" {esc(r['op'])}" if r.get("op") else "")
-         for r in rows]
-    fig = go.Figure([
-        go.Bar(x=x, y=[1000 * float(r.get("wait_s") or 0) for r in rows],
-               name="wait (for the last rank to arrive)", marker_color="#BDBDBD",
-               hovertemplate="wait %{y:.3f} ms<extra>%{x}</extra>"),
-        go.Bar(x=x, y=[1000 * float(r.get("transfer_s") or 0) for r in rows], name="transfer",
-               marker_color="#E45756", hovertemplate="transfer %{y:.3f} ms<extra>%{x}</extra>"),
-    ])
-    fig.update_layout(barmode="stack", title="Collectives: wait vs transfer", yaxis_title="ms",
-                      height=360, legend=TOP_LEGEND)
-    if not any(float(r.get("wait_s") or 0) + float(r.get("transfer_s") or 0) for r in rows):
-        total = sum(1000 * float(r.get("time_s") or 0) for r in rows)
-        fig.add_annotation(text=f"no wait or transfer split in the report "
-                                f"(collective time in total: {total:.3f} ms)",
-                           showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    """Each rank's communication per dimension, exposed and hidden (ms per step); beside it,
+    when the report has them, the collectives' time split into waiting for the last rank to
+    arrive vs transferring."""
+    title = "Communication per rank and dimension"
+    ranks, dims = _rank_comm(report)
+    split = _split_rows(report)
+    if not dims and not split:
+        return _empty(title, "the report has no tp/cp/dp/ep communication")
+    cols = (1 if dims else 0) + (1 if split else 0)
+    fig = make_subplots(rows=1, cols=cols, horizontal_spacing=0.1,
+                        column_widths=[0.72, 0.28] if cols == 2 else None)
+    axis_titles = [t for t, on in (("ms per step: exposed + hidden", dims),
+                                   ("collectives, ms per step: wait + transfer", split)) if on]
+    for col, text in enumerate(axis_titles, start=1):
+        fig.update_yaxes(title_text=text, row=1, col=col)
+    labels = [esc(rank_label(report, r["rank"])) for r in ranks]
+    for dim, (exposed, hidden) in dims.items():  # COMM_DIMS order: the same legend on every run
+        color = PART_COLORS[f"{dim}_exposed"]
+        fig.add_trace(go.Bar(x=labels, y=exposed, name=f"{dim} exposed", marker_color=color,
+                             offsetgroup=dim, legendgroup=dim,
+                             hovertemplate=f"{dim} exposed %{{y:.3f}} ms<extra>%{{x}}</extra>"), row=1, col=1)
+        fig.add_trace(go.Bar(x=labels, y=hidden, base=exposed, name=f"{dim} hidden under compute",
+                             marker=dict(color=color, opacity=0.45, pattern_shape="/"),
+                             offsetgroup=dim, legendgroup=dim,
+                             hovertemplate=f"{dim} hidden %{{y:.3f}} ms<extra>%{{x}}</extra>"), row=1, col=1)
+    if split:
+        x = [esc(r.get("dim", r.get("kind"))) + (f" {esc(r['op'])}" if r.get("op") else "")
+             for r in split]
+        wait = [1000 * float(r.get("wait_s") or 0) for r in split]
+        fig.add_trace(go.Bar(x=x, y=wait, name="wait (for the last rank to arrive)", marker_color="#BDBDBD",
+                             offsetgroup="split",
+                             hovertemplate="wait %{y:.3f} ms<extra>%{x}</extra>"), row=1, col=cols)
+        fig.add_trace(go.Bar(x=x, y=[1000 * float(r.get("transfer_s") or 0) for r in split], base=wait,
+                             name="transfer", marker_color="#E45756", offsetgroup="split",
+                             hovertemplate="transfer %{y:.3f} ms<extra>%{x}</extra>"), row=1, col=cols)
+    height = 380
+    if dims and len(labels) > 8:  # upright labels would overlap: turn them, and make room below
+        height += _rank_axis_margin(labels)
+        fig.update_xaxes(tickangle=-90, row=1, col=1)
+        fig.update_layout(margin=dict(b=_rank_axis_margin(labels) + 20))
+    fig.update_layout(barmode="group", title=title, height=height, legend=TOP_LEGEND,
+                      legend_traceorder="normal")
     return fig
 
 
+def _straggler_what(row: dict) -> str:
+    """The straggler row's ``slowdown`` in words: its meaning depends on the metric
+    (pptrace.analyzers.stragglers)."""
+    metric, slowdown = str(row.get("metric", "")), row.get("slowdown")
+    if slowdown is None:
+        return esc(metric)
+    if metric == "compute":  # rank / median - 1
+        return f"computes {float(slowdown):+.0%} vs the median rank"
+    if metric == "collective_arrival":  # share of its collectives it arrived last at
+        return f"last to arrive at {float(slowdown):.0%} of its collectives"
+    return f"{esc(metric)} {float(slowdown):.3g}"
+
+
 def straggler_figure(report: dict) -> go.Figure:
-    """rank x step heatmaps: compute time, and time spent waiting (pp_bubble) — a straggler is
-    the row hot on the left and cold on the right."""
+    """rank x step heatmaps: compute time and, on a pipeline, time spent waiting (pp_bubble)
+    — a straggler is the row hot on the left and cold on the right."""
     ranks = sorted(report.get("ranks") or [], key=lambda r: r.get("rank", 0))
     steps = sorted({s["step"] for r in ranks for s in r.get("steps", [])})
     if not ranks or not steps:
         return _empty("Stragglers", "the report has no per-rank steps")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["compute (ms)", "waiting: pp_bubble (ms)"],
+    parts = ("compute", "pp_bubble") if _pp_size(report) > 1 else ("compute",)
+    titles = {"compute": "compute (ms)", "pp_bubble": "waiting: pp_bubble (ms)"}
+    fig = make_subplots(rows=1, cols=len(parts), subplot_titles=[titles[p] for p in parts],
                         horizontal_spacing=0.12)
     ylabels = [esc(rank_label(report, r["rank"])) for r in ranks]
-    for col, part in enumerate(("compute", "pp_bubble"), start=1):
+    for col, part in enumerate(parts, start=1):
         z = np.full((len(ranks), len(steps)), np.nan)
         for i, r in enumerate(ranks):
             for s in r.get("steps", []):
                 z[i, steps.index(s["step"])] = 1000 * float(s.get("breakdown_s", {}).get(part) or 0)
         fig.add_trace(go.Heatmap(
             z=z, x=[f"step {s}" for s in steps], y=ylabels, showscale=False,
-            colorscale="Blues" if col == 1 else "Greys",
+            colorscale="Blues" if col == 1 else "Greys", hoverongaps=False,
             texttemplate="%{z:.1f}" if z.size <= 400 else None, textfont=dict(size=10),
             hovertemplate=f"%{{y}} %{{x}}<br>{part}: %{{z:.3f}} ms<extra></extra>"), row=1, col=col)
         fig.update_yaxes(autorange="reversed", showticklabels=col == 1, row=1, col=col)
@@ -427,10 +524,10 @@ def straggler_figure(report: dict) -> go.Figure:
     if named:
         top = named[0]
         title += (f" — top: {esc(rank_label(report, int(top.get('rank', -1))))} "
-                  f"({esc(top.get('metric', ''))}, slowdown {float(top.get('slowdown') or 0):.2f}x, "
-                  f"cost {1000 * float(top.get('cost_s') or 0):.2f} ms)")
-    fig.update_layout(title=title, height=max(320, min(1400, 140 + 16 * len(ranks))),
-                      margin=dict(l=150))
+                  f"({_straggler_what(top)}; costs {fmt_ms(1000 * float(top.get('cost_s') or 0))} per step)")
+    evidence = named[0].get("evidence") if named else None
+    fig.update_layout(title=dict(text=title, subtitle=dict(text=esc(evidence))) if evidence else title,
+                      height=max(320, min(1400, 140 + 16 * len(ranks))), margin=dict(l=150, t=110))
     return fig
 
 
@@ -457,8 +554,10 @@ def replay_figure(report: dict, whatif_result: dict | None, *, why_none: str | N
         first_rank.setdefault(r["stage"], r["rank"])
     measured = [r for r in rows if r["step"] == step and r["rank"] == first_rank[r["stage"]]]
     cols = sim["columns"]
-    simulated = [dict(zip(cols, r)) for r in sim["rows"] if dict(zip(cols, r))["kind"] in ("F", "B", "W")]
-    stages = sorted(first_rank)
+    simulated = [row for row in (dict(zip(cols, r)) for r in sim["rows"]) if row["kind"] in ("F", "B", "W")]
+    # The replay has every stage; the measurement only those whose ranks were loaded (a rank
+    # missing, filtered out, unreadable): each stage keeps both lanes, an untraced one empty.
+    stages = sorted(set(first_rank) | {int(r["stage"]) for r in simulated})
     lane = {}  # (source, stage) -> y; measured lane above its replay
     for i, stage in enumerate(stages):
         lane[("measured", stage)], lane[("replayed", stage)] = 2 * i, 2 * i + 1
@@ -473,21 +572,27 @@ def replay_figure(report: dict, whatif_result: dict | None, *, why_none: str | N
             continue
         x0 = np.array([b[3] for b in mine]) * 1e3
         x1 = np.array([b[4] for b in mine]) * 1e3
-        text = [f"{b[0][0]} stage {b[0][1]}<br>{phase} mb {b[2]}<br>{(b[4] - b[3]) * 1e3:.3f} ms" for b in mine]
+        text = [f"{b[0][0]} stage {b[0][1]}<br>{phase} mb {b[2]}<br>{fmt_ms(1e3 * (b[4] - b[3]))}"
+                for b in mine]
         name, color = PHASE_STYLE[phase]
         fig.add_traces(block_traces(x0, x1, np.array([lane[b[0]] for b in mine], dtype=float),
                                      0.6, text, name=name, color=color, meta={"phase": phase},
                                      px_per_unit=PLOT_WIDTH_PX / span_ms))
     measured_s = (whatif_result.get("measured") or {}).get("step_time_s")
     replayed_s = whatif_result["predicted"].get("step_time_s")
-    labels = {y: f"{source} · stage {stage}" for (source, stage), y in lane.items()}
+    labels = {y: f"{source} · stage {stage}" + (" (not traced)" if source == "measured"
+                                                 and stage not in first_rank else "")
+              for (source, stage), y in lane.items()}
     fig.update_layout(
         title=f"{title}: step {_fmt_s(measured_s)} measured, {_fmt_s(replayed_s)} replayed",
         xaxis_ticklabeloverflow="allow",
         height=max(260, 36 * len(lane) + 120), xaxis_title="ms from the pipeline window start",
-        yaxis={"tickvals": list(labels), "ticktext": list(labels.values()), "autorange": "reversed",
-               "ticklabeloverflow": "allow"},
-        legend=TOP_LEGEND, margin=dict(l=_rank_axis_margin(list(labels.values()))))
+        # autorange ends the axis on the last block's edge, which then reads as cut off
+        xaxis_range=[min(0.0, 1e3 * min((b[3] for b in blocks), default=0.0)), 1.02 * span_ms],
+        yaxis={"tickvals": list(labels), "ticktext": list(labels.values()),
+               "range": [len(lane) - 0.5, -0.5], "ticklabeloverflow": "allow"},
+        legend=TOP_LEGEND, margin=dict(l=_rank_axis_margin(list(labels.values()))),
+        meta={"notes": [str(n) for n in whatif_result.get("notes") or []]})
     return fig
 
 
@@ -496,12 +601,23 @@ def _fmt_s(seconds) -> str:
 
 
 def report_figures(report: dict) -> dict[str, go.Figure]:
-    figures = {
-        "partition": partition_figure(report),
-        "bubble": bubble_figure(report),
-        "comm": comm_figure(report),
-        "p2p_links": p2p_matrix_figure(report),
-        "collectives": collectives_figure(report),
-        "stragglers": straggler_figure(report),
-    }
+    """The report's views that apply to its run: no bubble, p2p links or pp_bubble on a run
+    without a pipeline, no communication views on a run that did not communicate, no
+    stragglers among fewer than two ranks. An empty panel would read as a measured zero."""
+    pipeline = _pp_size(report) > 1
+    ranks = [r for r in report.get("ranks") or [] if r.get("mean")]
+    links = (report.get("p2p") or {}).get("links") or []
+    _, dims = _rank_comm(report)
+    communicated = bool(dims or _split_rows(report) or pipeline or links)
+    figures = {"partition": partition_figure(report)}
+    if pipeline:
+        figures["bubble"] = bubble_figure(report)
+    if communicated:
+        figures["comm"] = comm_figure(report)
+    if pipeline or links:
+        figures["p2p_links"] = p2p_matrix_figure(report)
+    if dims or _split_rows(report):
+        figures["collectives"] = collectives_figure(report)
+    if len(ranks) >= 2:
+        figures["stragglers"] = straggler_figure(report)
     return {key: _cheap_ticks(fig) for key, fig in figures.items()}

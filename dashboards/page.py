@@ -11,12 +11,15 @@ import json
 import logging
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from pptrace.errors import TraceError
+from pptrace.output import cannot_write, replacing, write_file
 from pptrace.vocab import LAYOUT_DIMS
 
 from .blocks import LABEL_MIN_FONT_PX, MAX_LABELS_IN_VIEW
@@ -25,18 +28,27 @@ from .timeline import build_timeline
 
 SECTIONS = (  # (figure key, heading, what to read in it)
     ("timeline", "Pipeline timeline",
-     "One lane group per rank, pipeline stages top to bottom. F/B/W blocks are labelled by "
-     "microbatch (.chunk when interleaved) where the label fits: zoom in on a large run. "
-     "Grey = the step partition's pp_bubble of that rank (the report's number, interval by "
-     "interval); dotted lines = the pipeline window of the analysis. Drag to zoom, "
+     "One lane group per rank, pipeline stages top to bottom. F (forward), B (backward) and W "
+     "(weight-gradient) blocks are labelled by microbatch (.chunk when interleaved) where the "
+     "label fits: zoom in on a large run. Grey = the rank's pipeline bubble, idle while waiting "
+     "for another stage (the report's number, interval by interval); dotted lines = the "
+     "pipeline window, from the step's first to its last pipeline work. Drag to zoom, "
      "double-click to reset, buttons switch steps."),
     ("replay", "Measured vs replayed schedule",
      "The what-if simulator replays this run's schedule from its measured pass times and p2p "
      "latencies (`pptrace whatif`); a gap between the two lanes is time the model does not explain."),
-    ("partition", "Where each rank's step goes", "DESIGN contract 3: the parts sum to the step."),
-    ("bubble", "Bubble: measured vs theory", "Theory uses this run's measured t_f and t_b."),
-    ("comm", "Communication", "Exposed = nothing else ran; hidden = overlapped compute."),
-    ("p2p_links", "p2p links", "Wait = the receiver had posted before the sender did."),
+    ("partition", "Where each rank's step goes",
+     "Compute, the communication compute did not hide (per parallel dimension), pipeline "
+     "transfer and bubble, and the rest: the parts add up to the step time."),
+    ("bubble", "Bubble: measured vs theory",
+     "Theory: the bubble the schedule itself leaves with free p2p, from this run's measured "
+     "forward and backward pass times."),
+    ("comm", "Communication",
+     "Exposed = communication while nothing else ran (it lengthens the step); hidden = "
+     "communication under compute."),
+    ("p2p_links", "p2p links",
+     "Wait = a receive posted before its send, waiting for it (bubble); transfer = moving the "
+     "data once both sides had posted."),
     ("collectives", "Collectives", ""),
     ("stragglers", "Stragglers", ""),
 )
@@ -52,7 +64,38 @@ h1{font-size:20px;margin:6px 0} h2{font-size:17px;margin:28px 0 2px}
 .note{color:#666;font-size:13px;margin:0 0 6px}
 .warnings{background:#fff6e0;border:1px solid #e8c66d;padding:6px 12px;font-size:13px}
 .warnings li{margin:2px 0}
+.fig-notes{color:#666;font-size:13px;margin:0 0 6px}
+@page{size:landscape;margin:10mm}
+@media print{
+body{margin:0}
+section,.warnings{break-inside:avoid;page-break-inside:avoid}
+h2{break-after:avoid;page-break-after:avoid}
+.modebar-container{display:none!important}
+}
 """
+# Printed, a figure is drawn this wide: inside a landscape A4 or Letter page less the @page
+# margins (277 mm ~ 1047 px, 259 mm ~ 980 px), so nothing is clipped at the right edge.
+PRINT_WIDTH_PX = 960
+
+
+def _run_name(run) -> str | None:
+    """What the run is called: its folder (the one above traces/), or its one trace file."""
+    source = getattr(run, "path", None) or getattr(run, "run_dir", None)
+    if not source:
+        return None
+    source = Path(source)
+    return source.parent.name if source.name == "traces" and source.parent.name else source.name
+
+
+def page_title(run, report: dict) -> str:
+    """The browser tab's and the printout's title: which run, which layout (every page said
+    "pptrace dashboard", so open tabs and printed pages could not be told apart)."""
+    info = report.get("run") or {}
+    layout = info.get("layout") or {}
+    parts = [_run_name(run), " ".join(f"{d}{layout[d]}" for d in LAYOUT_DIMS if d in layout) or None]
+    if (layout.get("pp") or 1) > 1 and info.get("schedule"):
+        parts.append(str(info["schedule"]))
+    return " · ".join(["pptrace", *(str(p) for p in parts if p)])
 
 
 def _header(run, report: dict) -> str:
@@ -61,16 +104,22 @@ def _header(run, report: dict) -> str:
     layout_text = " ".join(f"{d}={layout[d]}" for d in LAYOUT_DIMS if d in layout)
     if layout.get("order"):
         layout_text += f" (order {layout['order']})"
+    pipeline = (layout.get("pp") or 1) > 1
+    world, traced = info.get("world_size"), info.get("ranks")
     facts = [
         ("layout", layout_text or "unknown"),
-        ("world size", info.get("world_size")),
-        ("schedule", info.get("schedule")),
-        ("microbatches", info.get("microbatches")),
-        ("vpp", info.get("vpp")),
+        ("world size", world),
+        # a rank missing or filtered out changes every view: say which ones the page shows
+        ("ranks shown", f"{len(traced)} of {world}: {_rank_list(traced)}"
+         if traced is not None and world and len(traced) < world else None),
+        # schedule, microbatches and vpp describe a pipeline; 0 microbatches means unknown
+        ("schedule", info.get("schedule") if pipeline else None),
+        ("microbatches", info.get("microbatches") if pipeline and info.get("microbatches") else None),
+        ("vpp", info.get("vpp") if pipeline else None),
         ("steps", ", ".join(str(s) for s in info.get("steps") or []) or None),
     ]
     pipe = report.get("pipeline") or {}
-    if pipe.get("bubble_fraction") is not None:
+    if pipeline and pipe.get("bubble_fraction") is not None:
         facts.append(("bubble", f"{100 * pipe['bubble_fraction']:.1f}% of step"))
     facts_html = "".join(
         f"<span><b>{html.escape(k)}</b> {html.escape(str(v))}</span>"
@@ -85,6 +134,11 @@ def _header(run, report: dict) -> str:
     title = f"pptrace — {source}" if source else "pptrace run"
     return (f'<header><h1>{html.escape(str(title))}</h1><div class="facts">{facts_html}</div>'
             f"{warn_html}</header>")
+
+
+def _rank_list(ranks, shown: int = 16) -> str:
+    ranks = [str(r) for r in ranks]
+    return ", ".join(ranks[:shown]) + (f", … ({len(ranks) - shown} more)" if len(ranks) > shown else "")
 
 
 def build_figures(run, report: dict, *, partitions, whatif_result: dict | None = None,
@@ -113,7 +167,7 @@ _CONFIG = {"displaylogo": False, "responsive": True, "scrollZoom": False,
 # view by the rule of dashboards.blocks.fitting_labels (all of a step's labels ride along in
 # the label trace's meta). Labels are built from numbers, never from trace names.
 _BOOT = """(function () {
-  var config = __CONFIG__, LABELS = __LABELS__;
+  var config = __CONFIG__, LABELS = __LABELS__, PRINT_WIDTH = __PRINT_WIDTH__;
   function fitLabels(gd) {
     var xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
     if (!xa || !ya || !xa.range || !ya.range) return;
@@ -155,9 +209,37 @@ _BOOT = """(function () {
     });
   }
   var divs = document.querySelectorAll('.pptrace-fig');
-  if (!('IntersectionObserver' in window)) { divs.forEach(draw); return; }
+  // Printing (or saving as PDF) lays out every page at once, and a figure never scrolled to
+  // would print blank: draw them all first, at a width that fits the paper, and give the
+  // screen its width back afterwards. The print media query is watched as well as the
+  // beforeprint event, whichever a browser sends first. (A figure is drawn at the screen's
+  // width and then resized: one plotted with a width cannot be given back to autosize,
+  // Plotly fails on {width: null}.)
+  var printing = false;
+  function forPrint() {
+    if (printing) return;
+    printing = true;
+    divs.forEach(function (d) {
+      draw(d);
+      if (d._fullLayout && d._fullLayout.width !== PRINT_WIDTH) Plotly.relayout(d, {width: PRINT_WIDTH});
+    });
+  }
+  function forScreen() {
+    if (!printing) return;
+    printing = false;
+    divs.forEach(function (d) { if (d._fullLayout) Plotly.relayout(d, {width: null}); });
+  }
+  window.addEventListener('beforeprint', forPrint);
+  window.addEventListener('afterprint', forScreen);
+  if (window.matchMedia) {
+    var media = window.matchMedia('print'), onMedia = function (m) { m.matches ? forPrint() : forScreen(); };
+    if (media.addEventListener) media.addEventListener('change', onMedia); else media.addListener(onMedia);
+  }
+  if (!('IntersectionObserver' in window)) { divs.forEach(function (d) { draw(d); }); return; }
   var seen = new IntersectionObserver(function (entries) {
-    entries.forEach(function (e) { if (e.isIntersecting) { seen.unobserve(e.target); draw(e.target); } });
+    entries.forEach(function (e) {
+      if (e.isIntersecting) { seen.unobserve(e.target); draw(e.target); }
+    });
   }, {rootMargin: '300px'});
   divs.forEach(function (d) { seen.observe(d); });
 })();"""
@@ -186,17 +268,23 @@ def render_html(run, report: dict, figures: dict) -> str:
             continue
         height = int(figures[key].layout.height or 450)
         note_html = f'<p class="note">{html.escape(note)}</p>' if note else ""
+        # what the figure's source said about its numbers (the what-if's assumptions)
+        meta = figures[key].layout.meta
+        fig_notes = meta.get("notes") if isinstance(meta, dict) else None
+        notes_html = ("<ul class=\"fig-notes\">" + "".join(
+            f"<li>{html.escape(str(n))}</li>" for n in fig_notes) + "</ul>") if fig_notes else ""
         body.append(
             f'<section id="{key}"><h2>{html.escape(heading)}</h2>{note_html}'
-            f'<div id="fig-{key}" class="pptrace-fig" style="height:{height}px"></div>'
+            f'<div id="fig-{key}" class="pptrace-fig" style="height:{height}px"></div>{notes_html}'
             f'<script type="application/json" id="data-fig-{key}">{_inert_json(figures[key])}</script>'
             "</section>")
     labels = {"min_font": LABEL_MIN_FONT_PX, "max_in_view": MAX_LABELS_IN_VIEW}
-    boot = _BOOT.replace("__CONFIG__", json.dumps(_CONFIG)).replace("__LABELS__", json.dumps(labels))
+    boot = (_BOOT.replace("__CONFIG__", json.dumps(_CONFIG)).replace("__LABELS__", json.dumps(labels))
+            .replace("__PRINT_WIDTH__", str(PRINT_WIDTH_PX)))
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
-        f"<title>pptrace dashboard</title><style>{_STYLE}</style>"
+        f"<title>{html.escape(page_title(run, report))}</title><style>{_STYLE}</style>"
         f'<script type="text/javascript">{get_plotlyjs()}</script></head><body>'
         f"{_header(run, report)}{''.join(body)}<script>{boot}</script></body></html>\n"
     )
@@ -213,7 +301,6 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
         if found:
             os.environ["BROWSER_PATH"] = found  # kaleido's choreographer looks here first
     png_dir = Path(png_dir)
-    png_dir.mkdir(parents=True, exist_ok=True)
     paths = [png_dir / f"{key}.png" for key in figures]
     # choreographer logs (with a traceback) every browser message it cannot parse and then
     # carries on; the images are fine, so its chatter stays out of the user's terminal.
@@ -221,7 +308,14 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
     level = chatter.level
     chatter.setLevel(logging.CRITICAL)
     try:
-        pio.write_images(list(figures.values()), paths, width=1400, scale=1)
+        # each image whole or not at all, and none replaced unless all were made
+        with ExitStack() as stack:
+            temporary = [stack.enter_context(replacing(path)) for path in paths]
+            pio.write_images(list(figures.values()), temporary, width=1400, scale=1)
+    except TraceError:
+        raise
+    except OSError as exc:  # the disk, not the browser: no Chromium hint
+        raise cannot_write(png_dir, exc) from None
     except Exception as exc:  # kaleido's errors are long; the user needs the fix, in one line
         raise ValueError(
             f"could not write PNGs to {png_dir}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]} "
@@ -240,8 +334,7 @@ def write_dashboard(run, report: dict, out_path, *, partitions, whatif_result: d
     out_path = Path(out_path)
     figures = build_figures(run, report, partitions=partitions, whatif_result=whatif_result,
                             whatif_note=whatif_note)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(render_html(run, report, figures), encoding="utf-8")
+    write_file(out_path, render_html(run, report, figures).encode("utf-8"))
     if png_dir is not None:
         write_pngs(figures, png_dir)
     return out_path

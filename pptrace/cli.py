@@ -5,6 +5,7 @@ unexpected is reported in one line too, with the traceback only under PPTRACE_DE
 """
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -18,54 +19,197 @@ from .errors import TraceError
 from .vocab import SCHEDULES
 
 
+class _StdoutGuard:
+    """``sys.stdout`` while a command runs: it marks an OSError raised by writing to standard
+    output (a closed pipe, a full disk behind ``>``), which the command then reports as that,
+    not as an internal error or a failure of the file it was reading."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _marked(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as exc:
+            exc.pptrace_stdout = True
+            raise
+
+    def write(self, text):
+        return self._marked(self._stream.write, text)
+
+    def flush(self):
+        return self._marked(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _drop_stdout() -> None:
+    """Point the process's stdout at /dev/null, so that the interpreter's flush at exit does
+    not fail a second time and print its own traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real stdout (tests): nothing to flush
+        pass
+
+
 def _one_line_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        guard = sys.stdout = _StdoutGuard(sys.stdout) if sys.stdout is not None else None
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if guard is not None:
+                guard.flush()
+            return result
         except (click.ClickException, click.Abort, click.exceptions.Exit):
             raise
-        except (TraceError, ValueError, FileNotFoundError, PermissionError) as exc:
+        except OSError as exc:
+            if getattr(exc, "pptrace_stdout", False):
+                _drop_stdout()
+                if exc.errno == errno.EPIPE:  # the reader left (| head): nothing to say
+                    raise SystemExit(1) from None
+                raise click.ClickException(f"cannot write standard output: {exc.strerror or exc}") from None
+            if exc.filename is None:
+                raise _internal(exc) from None
+            raise click.ClickException(" ".join(str(exc).split())) from None
+        except (TraceError, ValueError) as exc:
             raise click.ClickException(" ".join(str(exc).split())) from None
         except Exception as exc:  # never a traceback for users; PPTRACE_DEBUG shows it
-            if os.environ.get("PPTRACE_DEBUG"):
-                raise
-            raise click.ClickException(
-                f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())} "
-                "(set PPTRACE_DEBUG=1 for the traceback and please report it)"
-            ) from None
+            raise _internal(exc) from None
+        finally:
+            if guard is not None and sys.stdout is guard:
+                sys.stdout = guard._stream
 
     return wrapper
 
 
-def _int_list(text: str | None) -> list[int] | None:
-    """'0,1,4-6' -> [0, 1, 4, 5, 6]."""
+def _internal(exc: BaseException) -> click.ClickException:
+    if os.environ.get("PPTRACE_DEBUG"):
+        raise exc
+    return click.ClickException(
+        f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())} "
+        "(set PPTRACE_DEBUG=1 for the traceback and please report it)"
+    )
+
+
+class _BadOption(click.UsageError):
+    """A bad option value in one line (click's usage block around it would make four)."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"Error: {self.format_message()}", err=True)
+
+
+#: Most ids a --ranks/--steps list may name beyond the run's trace files: no run profiles
+#: more steps, and a longer list is a typo (0-1000000000) that would cost seconds and GBs.
+MAX_LISTED = 4096
+_MAX_ID = 2**31 - 1  # ranks and steps are int32 in the events table
+
+
+def _id_ranges(text: str | None, option: str) -> list[tuple[int, int]] | None:
+    """'0,1,4-6' -> [(0, 0), (1, 1), (4, 6)], nothing materialised yet."""
     if not text:
         return None
-    out = []
-    try:
-        for part in text.split(","):
-            a, _, b = part.strip().partition("-")
-            out.extend(range(int(a), int(b or a) + 1))
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a list like '0,1,4-6'") from None
-    return out
+    ranges = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        try:
+            lo, hi = int(a), int(b or a)
+        except ValueError:
+            raise _BadOption(f"{option} {text!r} is not a list like '0,1,4-6'") from None
+        if hi < lo:
+            raise _BadOption(f"{option} {text!r}: {part.strip()} runs backwards; write {hi}-{lo}")
+        if hi > _MAX_ID:
+            raise _BadOption(f"{option} {text!r}: {hi} is larger than any rank or step ({_MAX_ID})")
+        ranges.append((lo, hi))
+    return ranges
+
+
+def _int_list(text: str | None, option: str = "--ranks", limit: int = MAX_LISTED) -> list[int] | None:
+    """'0,1,4-6' -> [0, 1, 4, 5, 6]; a list of more than ``limit`` ids is refused in one line
+    before any is made."""
+    ranges = _id_ranges(text, option)
+    if ranges is None:
+        return None
+    count = sum(hi - lo + 1 for lo, hi in ranges)
+    if count > limit:
+        what = "ranks" if option == "--ranks" else "steps"
+        raise _BadOption(f"{option} {text!r} names {count} {what}; at most {limit} can be kept: name the "
+                         f"{what} to keep (pptrace info RUN lists them), or leave {option} out for all")
+    return sorted({i for lo, hi in ranges for i in range(lo, hi + 1)})
+
+
+#: Width of output that reaches no terminal (logs, CI) when COLUMNS does not say: rich's own
+#: 80 would fold the tables into many parts; the tables fit any width without cutting a value.
+PIPE_WIDTH = 160
+
+
+def _width(stream) -> int:
+    """COLUMNS when set; else the terminal's width, also when only stderr is one (``pptrace
+    analyze RUN | less`` reads on that terminal); else PIPE_WIDTH."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    for candidate in (stream, sys.stdout, sys.stderr):
+        try:
+            if candidate.isatty() and os.get_terminal_size(candidate.fileno()).columns > 0:
+                return os.get_terminal_size(candidate.fileno()).columns
+        except (AttributeError, OSError, ValueError):  # closed, replaced or sizeless streams
+            continue
+    return PIPE_WIDTH
 
 
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    stream = sys.stderr if stderr else sys.stdout
-    # Rich assumes 80 columns when output is not a terminal, which folds the analysis tables
-    # into unreadable slivers in logs and CI; files get the width of a wide terminal.
-    width = None if stream.isatty() else 160
-    return Console(stderr=stderr, highlight=False, width=width)
+    return Console(stderr=stderr, highlight=False, width=_width(sys.stderr if stderr else sys.stdout))
 
 
 def _load(run_dir, ranks=None, steps=None):
     from .ingest.run import load_run
 
-    return load_run(run_dir, ranks=ranks, steps=steps, progress=sys.stderr.isatty())
+    return load_run(run_dir, ranks=ranks, steps=steps)  # progress: pptrace.progress.wanted()
+
+
+def _filters(run_dir, ranks_text, steps_text) -> tuple:
+    """--ranks and --steps as lists of at most MAX_LISTED ids (--ranks: or as many as the run
+    has trace files)."""
+    limit = MAX_LISTED
+    if ranks_text:
+        from .ingest.load import find_trace_files
+
+        limit = max(limit, len(find_trace_files(run_dir)))
+    return _int_list(ranks_text, "--ranks", limit), _int_list(steps_text, "--steps")
+
+
+def _is_stdout(path) -> bool:
+    """Whether ``path`` is where stdout goes (-o /dev/stdout): a status line printed there
+    would land inside the file just written."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _output(run_dir, path, option: str):
+    """An output path, checked before the run is loaded: a directory, or one of the run's own
+    trace files, is refused in one line (whether it can be written shows when it is)."""
+    if path is None:
+        return None
+    if Path(path).is_dir():
+        raise click.ClickException(f"cannot write {path}: it is a directory; give {option} a file name")
+    from .ingest.load import find_trace_files
+
+    try:
+        traces = find_trace_files(run_dir)
+    except TraceError:  # loading the run says what is wrong with it
+        return path
+    real = os.path.realpath(path)
+    if any(os.path.realpath(trace) == real for trace in traces):
+        raise click.ClickException(f"{option} {path} is one of the run's trace files; choose another output path")
+    return path
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -74,7 +218,9 @@ def cli():
     """pptrace: where the time of a distributed training step goes.
 
     Profile with `pptrace.profile` + `pptrace.region`, then point these commands at the
-    run directory (it holds traces/rank<r>.json.gz).
+    run directory (it holds traces/rank<r>.json.gz). Each phase shows its progress on stderr
+    when that is a terminal (PPTRACE_PROGRESS=1 or 0 forces it on or off); tables take the
+    terminal's width, or COLUMNS.
     """
 
 
@@ -83,48 +229,52 @@ def cli():
 @_one_line_errors
 def info(run_dir: Path):
     """What a run directory holds: ranks, layout, steps, trace sizes."""
+    from rich.markup import escape
     from rich.table import Table
 
     from .ingest.load import find_trace_files, rank_of, read_header
+    from .ingest.run import _assign_ranks, _layout_of
 
     files = find_trace_files(run_dir)
-    table = Table(title=f"{run_dir}", title_justify="left")
-    for col in ("rank", "coords", "steps", "schedule", "size", "file"):
-        table.add_column(col, justify="right" if col in ("rank", "size") else "left")
-    problems, layouts, ranks = [], set(), []
+    problems, found = [], []
     for path in files:
         try:
             header = read_header(path)
         except TraceError as exc:
             problems.append(str(exc))
             continue
+        found.append((path, header, rank_of(header, path)))
+    if not found:
+        raise TraceError(f"{run_dir}: none of its {len(files)} trace files could be read: {problems[0]}")
+    # analyze's own checks (duplicate ranks, traces of runs with other layouts or world
+    # sizes), so that info never describes a directory analyze refuses
+    by_rank = _assign_ranks(found, problems)
+    _layout_of(by_rank, None, problems)
+    table = Table(title=f"{run_dir}", title_justify="left")
+    for col in ("rank", "coords", "steps", "schedule", "size", "file"):
+        table.add_column(col, justify="right" if col in ("rank", "size") else "left")
+    layouts = set()
+    for rank, (path, header) in sorted(by_rank.items()):
         block = header.get("pptrace") or {}
-        rank = rank_of(header, path)
-        ranks.append(rank)
         if block.get("layout"):
             layouts.add(json.dumps(block["layout"], sort_keys=True))
         coords = " ".join(f"{k}{v}" for k, v in (block.get("coords") or {}).items())
         steps = block.get("steps") or []
         table.add_row(
-            "?" if rank is None else str(rank),
+            str(rank),
             coords or "-",
             f"{steps[0]}-{steps[-1]}" if steps else "-",
             str(block.get("schedule") or "-"),
             _human_size(path.stat().st_size),
-            path.name,
+            escape(path.name),
         )
-    if not ranks:
-        raise TraceError(f"{run_dir}: none of its {len(files)} trace files could be read: {problems[0]}")
     console = _console()
     console.print(table)
-    known = sorted(r for r in ranks if r is not None)
-    console.print(f"ranks: {len(ranks)} ({', '.join(map(str, known)) or 'unknown'})")
+    console.print(f"ranks: {len(by_rank)} ({', '.join(map(str, sorted(by_rank)))})")
     for layout in sorted(layouts):
         console.print(f"layout: {layout}")
-    if len(layouts) > 1:
-        console.print("[yellow]warning:[/] traces disagree on the layout: are two runs mixed here?")
     for problem in problems:
-        console.print(f"[yellow]warning:[/] {problem}")
+        console.print(f"[yellow]warning:[/] {escape(problem)}", soft_wrap=True)  # one line each, as analyze's
 
 
 def _human_size(n: int) -> str:
@@ -146,23 +296,30 @@ def _write_json(document: dict, target: str | None = None) -> None:
 
     blob = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     if target in (None, "-"):
-        click.echo(blob.decode())
+        sys.stdout.write(blob.decode() + "\n")  # through the guard of _one_line_errors
+        sys.stdout.flush()
     else:
-        Path(target).write_bytes(blob + b"\n")
+        from .output import write_file
+
+        write_file(target, blob + b"\n")
 
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @_run_options
-@click.option("--json", "json_out", is_flag=True, help="Print the contract-4 JSON document instead of tables.")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print the analysis as JSON (schema pptrace.analysis/1) instead of tables.")
+@click.option("--explain", is_flag=True, help="After the tables, explain every column at length.")
 @click.option("--html", "html_out", type=click.Path(path_type=Path), help="Also write the dashboard page here.")
 @click.option("--hta", "with_hta", is_flag=True,
               help="GPU traces: also run HTA on the same files and show its numbers beside pptrace's "
                    "(needs pip install 'pptrace[hta]').")
 @_one_line_errors
-def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta):
-    """Where each rank's step time goes: compute, pipeline bubble, p2p wait vs transfer,
-    exposed vs hidden TP/CP/DP communication, stragglers."""
+def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, with_hta):
+    """Where each rank's step time goes: compute, pipeline bubble (idle, waiting for another
+    stage), pipeline sends and receives, the tensor-, context- and data-parallel communication
+    that compute did not hide, and the ranks that hold the others back. A legend under the
+    tables says what their columns mean."""
     from .export.report import build_report, print_report
 
     if with_hta:
@@ -170,7 +327,8 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta)
 
         if not hta_available():
             raise click.ClickException(INSTALL_HINT)
-    run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
+    html_out = _output(run_dir, html_out, "--html")
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text))
     report = build_report(run)
     comparison = None
     if with_hta:
@@ -181,7 +339,7 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, html_out, with_hta)
     if json_out:
         _write_json(report)
     else:
-        print_report(report, _console())
+        print_report(report, _console(), explain=explain)
         if comparison is not None:
             from .export.hta import print_comparison
 
@@ -204,12 +362,12 @@ def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
     """One self-contained interactive HTML page: the pipeline as it ran, breakdowns, overlap, stragglers."""
     from .export.report import build_report
 
-    run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
-    output = output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
+    output = _output(run_dir, output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html", "-o")
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text))
     from .export.dashboard import write_page
 
     path = write_page(run, build_report(run), output, png_dir=png_dir)
-    click.echo(f"dashboard: {path}")
+    click.echo(f"dashboard: {path}", err=_is_stdout(path))
     if png_dir:
         click.echo(f"figures: {png_dir}")
 
@@ -224,9 +382,10 @@ def merge(run_dir: Path, steps_text, ranks_text, output):
     """One Perfetto / chrome://tracing trace of every rank on aligned clocks, p2p pairs as arrows."""
     from .export.perfetto import merge_run
 
-    run = _load(run_dir, ranks=_int_list(ranks_text), steps=_int_list(steps_text))
+    output = _output(run_dir, output, "-o")
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text))
     path = merge_run(run, output)
-    click.echo(f"merged {len(run.ranks)} ranks into {path}")
+    click.echo(f"merged {len(run.ranks)} ranks into {path}", err=_is_stdout(path))
     for warning in run.warnings:
         click.echo(f"warning: {warning}", err=True)
 
@@ -235,17 +394,20 @@ def merge(run_dir: Path, steps_text, ranks_text, output):
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--schedule", type=click.Choice(SCHEDULES),
               help="Replay under this schedule (default: as measured).")
-@click.option("--vpp", type=click.IntRange(min=1), help="Virtual chunks per stage for interleaved.")
+@click.option("--vpp", type=click.IntRange(min=1),
+              help="Model chunks per pipeline stage (the interleaved schedule's virtual stages).")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Number of microbatches.")
 @click.option("--no-straggler", is_flag=True, help="Replace the slowest rank's times by its peers' median.")
-@click.option("--p2p-free", is_flag=True, help="Make pipeline transfers free.")
+@click.option("--p2p-free", is_flag=True, help="Assume pipeline sends and receives take no time.")
 @click.option("--json", "json_out", is_flag=True, help="Print the prediction as JSON instead of a table.")
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path), help="Write the simulated timeline (Perfetto).")
 @_one_line_errors
 def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out):
-    """Predict the step time under another schedule, vpp, microbatch count, without the straggler."""
+    """Predict the step time under another pipeline schedule, number of model chunks per stage
+    or of microbatches, without the slowest rank, or with free pipeline transfers."""
     from .whatif import predict as whatif_mod
 
+    trace_out = _output(run_dir, trace_out, "--trace")
     run = _load(run_dir)
     result = whatif_mod.whatif(run, schedule=schedule, vpp=vpp, microbatches=microbatches,
                                no_straggler=no_straggler, p2p_free=p2p_free)
@@ -269,8 +431,8 @@ DEMO_TRAINER_ARGS = ["--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1", "--sp",
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @_one_line_errors
 def demo(out: Path, trainer_args):
-    """Run the reference trainer on CPU (tp2 cp2 pp2 + SP, 1F1B, 8 gloo ranks), then analyze it
-    and write the dashboard. Extra arguments go to the trainer
+    """Run the reference trainer on CPU (8 gloo processes: tensor, context and pipeline
+    parallel 2 each, sequence parallel, 1F1B schedule), then analyze it and write the dashboard. Extra arguments go to the trainer
     (`python -m instrumented_model.train --help`), e.g. `pptrace demo -- --compute sleep`."""
     from instrumented_model.train import main as train_main
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -19,6 +22,7 @@ import torch
 from .integrations import DEFAULT as DEFAULT_INTEGRATIONS
 from .integrations import instrument_all, merged_metadata, remove_all
 from .naming import format_name, parse_name
+from .output import replacing
 from .topology import Layout
 
 METADATA_KEY = "pptrace"
@@ -172,6 +176,41 @@ def clock_sample(tries: int = 5) -> dict:
     return {"wall_ns": best[1], "perf_ns": best[2], "monotonic_ns": time.monotonic_ns(), "bracket_ns": best[0]}
 
 
+@contextmanager
+def _without_kineto_markers():
+    """Kineto writes a "USDT:... profiler_start" / "profiler_stop" line to the process's
+    stderr (fd 2, from C++) whenever the profiler starts or stops: tracepoint markers, not
+    messages, two per rank and run. No kineto log level hides them but keeps its errors, so
+    while the profiler starts or stops fd 2 goes to a file, and everything in it but those
+    lines is written back after (another thread's stderr output of that moment comes late,
+    never lost)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (AttributeError, OSError, ValueError):  # no stderr to keep clean
+        yield
+        return
+    sink = tempfile.TemporaryFile()
+    try:
+        os.dup2(sink.fileno(), 2)
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+        os.dup2(saved, 2)
+        os.close(saved)
+        sink.seek(0)
+        kept = memoryview(b"".join(line for line in sink if not line.startswith(b"USDT:")))
+        sink.close()
+        while kept:
+            try:
+                kept = kept[os.write(2, kept):]
+            except OSError:  # stderr closed or full: nothing more can be said
+                break
+
+
 class profile:
     """Profile chosen steps of a training loop and write one trace per rank.
 
@@ -239,8 +278,10 @@ class profile:
         self._integrations: list = []
 
     def _on_trace_ready(self, prof) -> None:
-        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.trace_path))
+        # through a hidden file beside it: a full disk or a kill mid-export leaves the
+        # previous trace, never a truncated one for the loader to trip over
+        with replacing(self.trace_path) as tmp:
+            prof.export_chrome_trace(str(tmp))
 
     def _write_metadata(self, when: str) -> None:
         # Kineto takes metadata only while a trace is being recorded, so the block is written
@@ -296,7 +337,9 @@ class profile:
             record_shapes=self._record_shapes,
             with_stack=self._with_stack,
         )
-        self._profiler.__enter__()
+        self._warmup = warmup
+        with _without_kineto_markers():
+            self._profiler.__enter__()
         self._step_num = 0
         if self.first_step == 0:
             self._write_metadata("start")
@@ -308,7 +351,11 @@ class profile:
             return
         if self._step_num == self.last_step:
             self._write_metadata("end")
-        self._profiler.step()
+        if self.first_step - self._warmup - 1 <= self._step_num <= self.last_step:  # may start or stop
+            with _without_kineto_markers():
+                self._profiler.step()
+        else:
+            self._profiler.step()
         self._step_num += 1
         if self._step_num == self.first_step:
             self._write_metadata("start")
@@ -316,7 +363,8 @@ class profile:
     def __exit__(self, *exc):
         try:
             if self._profiler is not None:
-                self._profiler.__exit__(*exc)
+                with _without_kineto_markers():
+                    self._profiler.__exit__(*exc)
                 self._profiler = None
         finally:
             remove_all(self._integrations)

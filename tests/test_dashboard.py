@@ -109,7 +109,7 @@ def test_timeline_figure_counts_and_hover(gpipe_run):
         inside = fwd[(fwd["start_ms"] < x) & (x < fwd["end_ms"])
                      & ((fwd["rank"].map(y_of) - y).abs() < 1e-4)]
         assert len(inside) == 1, (x, y)
-        assert f"microbatch {int(inside['mb'].iloc[0])}" in text and "+ 1000.000 µs" in text
+        assert f"microbatch {int(inside['mb'].iloc[0])}" in text and ", 1.000 ms long" in text
     labels = next(t for t in fig.data if t.meta["phase"] == "labels")
     assert sorted(set(labels.text)) == sorted({f"{ph}{j}" for ph in "FB" for j in range(4)})
     assert sorted(labels.text) == sorted(labels.meta["labels"]["text"])  # all fit at full view
@@ -223,9 +223,20 @@ def test_report_views_show_report_values():
     np.testing.assert_allclose(comm.data[1].y[dp], 1000 * np.mean([0.0001 * (r + 1) for r in range(8)]))
     strag = straggler_figure(report)
     assert np.asarray(strag.data[0].z).shape == (8, 1) and "rank 2" in strag.layout.title.text
-    assert "no collective" in collectives_figure(report).layout.annotations[0].text
+    # each rank's own exposed and hidden time, stage by stage; no wait/transfer panel while
+    # the report has no such split
+    coll = collectives_figure(report)
+    order = sorted(range(8), key=lambda r: (layout.coords(r).pp, r))
+    by_name = {t.name: t for t in coll.data}
+    assert list(by_name) == ["dp exposed", "dp hidden under compute"]
+    np.testing.assert_allclose(by_name["dp exposed"].y, [0.2] * 8)
+    np.testing.assert_allclose(by_name["dp hidden under compute"].y, [0.1 * (r + 1) for r in order])
+    np.testing.assert_allclose(by_name["dp hidden under compute"].base, [0.2] * 8)
     report["collectives"] = [{"dim": "dp", "op": "all_reduce", "wait_s": 0.002, "transfer_s": 0.001}]
-    np.testing.assert_allclose(collectives_figure(report).data[0].y, [2.0])
+    split = {t.name: t for t in collectives_figure(report).data}
+    np.testing.assert_allclose(split["wait (for the last rank to arrive)"].y, [2.0])
+    np.testing.assert_allclose(split["transfer"].y, [1.0])
+    np.testing.assert_allclose(split["transfer"].base, [2.0])
 
 
 def test_page_carries_hover_text_once_per_block(gpipe_run):

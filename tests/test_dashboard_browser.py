@@ -201,7 +201,7 @@ def test_trainer_timeline_blocks_per_stage_and_hover(browser, trainer_page):
     assert counts == {f"{ph}{s}": M for ph in "FB" for s in range(P)}
     expected, shown = page.hover_block("F", "microbatch 2")
     assert "compute:fwd mb=2" in shown and "microbatch 2" in shown, shown
-    assert "rank" in shown and "µs" in shown
+    assert "rank" in shown and "ms long" in shown
     # block labels follow the zoom: only blocks in view are labelled, all of them again after
     labels = """() => { const gd = document.getElementById('fig-timeline');
       const t = gd._fullData.find(t => t.visible === true && t.meta && t.meta.phase === 'labels');

@@ -84,7 +84,7 @@ def test_print_report_shows_every_view(pipeline_view):
     console = Console(record=True, width=220)
     print_report(build_report(pipeline_view), console)
     text = console.export_text()
-    for title in ("Pipeline bubble per stage", "Step time per rank", "Pipeline p2p links", "No stragglers found"):
+    for title in ("Pipeline bubble per stage", "Step time per rank", "Pipeline p2p links", "No persistent straggler"):
         assert title in text
     assert "0.07" in text  # stage 0's 70 µs bubble in ms
 

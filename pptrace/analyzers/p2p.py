@@ -50,19 +50,33 @@ def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = 
     return out
 
 
+#: A message's transfer is timed when at least this share of its window (both sides posted
+#: until the first side done) was exposed: the rest of the window was a pass that hid when the
+#: data landed (exchanges.wait_transfer), so what is left of it understates the time it took.
+TIMED_SHARE = 0.5
+LINK_COLUMNS = ("src", "dst", "count", "bytes", "wait_s", "transfer_s", "bandwidth_gbps", "bandwidth_count")
+
+
 def link_table(pairs: pd.DataFrame, steps=None) -> pd.DataFrame:
     """Per link src -> dst: count, bytes, wait_s, transfer_s, effective bandwidth (bytes over
-    transfer time, the rate once both sides were ready). Totals over the selected steps."""
+    transfer time, the rate once both sides were ready) and bandwidth_count, the messages it
+    is over: those of known size whose transfer was timed (TIMED_SHARE); NaN when none was.
+    Totals over the selected steps."""
     if steps is not None:
         pairs = pairs[pairs["step"].isin(list(steps))]
     if pairs.empty:
-        return pd.DataFrame(columns=["src", "dst", "count", "bytes", "wait_s", "transfer_s", "bandwidth_gbps"])
+        return pd.DataFrame(columns=list(LINK_COLUMNS))
+    t0, t1 = exchanges.moving(pairs)
+    transfer = pairs["transfer_ns"].to_numpy(np.float64)
+    timed = (t1 > t0) & (transfer >= TIMED_SHARE * (t1 - t0)) & (pairs["bytes"].to_numpy(np.float64) > 0)
+    pairs = pairs.assign(timed=timed, timed_bytes=pairs["bytes"].where(timed, 0), timed_ns=np.where(timed, transfer, 0))
     g = pairs.groupby(["src", "dst"], sort=True).agg(
         count=("wait_ns", "size"), bytes=("bytes", "sum"),
-        wait_ns=("wait_ns", "sum"), transfer_ns=("transfer_ns", "sum")).reset_index()
+        wait_ns=("wait_ns", "sum"), transfer_ns=("transfer_ns", "sum"),
+        bandwidth_count=("timed", "sum"), timed_bytes=("timed_bytes", "sum"), timed_ns=("timed_ns", "sum")).reset_index()
     g["wait_s"] = g["wait_ns"] / 1e9
     g["transfer_s"] = g["transfer_ns"] / 1e9
     with np.errstate(divide="ignore", invalid="ignore"):
-        bw = np.where(g["transfer_ns"] > 0, g["bytes"] / g["transfer_ns"], np.nan)  # bytes/ns == GB/s
+        bw = np.where(g["timed_ns"] > 0, g["timed_bytes"] / g["timed_ns"], np.nan)  # bytes/ns == GB/s
     g["bandwidth_gbps"] = bw
-    return g[["src", "dst", "count", "bytes", "wait_s", "transfer_s", "bandwidth_gbps"]]
+    return g[list(LINK_COLUMNS)]

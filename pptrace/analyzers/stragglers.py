@@ -9,8 +9,20 @@ the culprit is found from its own excess, and the waits name who suffered:
   slowest member at the gradient all-reduce, so the excess is the step-time cost.
   slowdown = rank / median - 1.
 - ``collective_arrival``: the rank is the last to arrive at collectives; cost = how long
-  the group waited for it alone (last minus second-last arrival), per step; slowdown =
-  the share of its collective instances in which it came last.
+  the group waited for it alone (last minus second-last arrival), per step, beyond what the
+  median rank made its groups wait; slowdown = the share of its collective instances in
+  which it came last.
+
+Only a *persistent* excess names a rank. Processes sharing too few cores are descheduled at
+random, and in any one step some rank is the slowest, some member of every pair arrives
+last: that is noise, and a rank the noise favoured in one step is not slow. So each step is
+compared on its own (a step slow for everyone cancels), and a rank is late in a step when it
+exceeds that step's median rank by more than ``NOISE_SPREADS`` times the run's own spread —
+the larger of how much a rank's excess varies from one of its steps to the next and how far
+the ranks' steady offsets scatter (so it must stand out from its peers) — and by more than
+the thresholds below. It is named when late in most steps; cost_s and slowdown are medians over
+its steps. The row carries that evidence: steps_late of steps, spread_s, and ``evidence``,
+the sentence to show.
 
 Each row also carries ``peers_wait_s``: how long per step the recvs paired with this rank's
 sends waited for them — the victims' side. It is evidence, not a metric of its own: in any
@@ -24,40 +36,90 @@ import pandas as pd
 
 from .collectives import instance_waits, step_end_rows
 
-COLUMNS = ("rank", "metric", "slowdown", "cost_s", "peers_wait_s")
+COLUMNS = ("rank", "metric", "slowdown", "cost_s", "peers_wait_s", "steps_late", "steps", "spread_s", "evidence")
 #: below these a difference is noise, not a straggler.
 MIN_SLOWDOWN = 0.05
 MIN_COST_FRACTION = 0.01
+#: an excess within this many spreads of the median rank is noise (normal noise goes beyond
+#: three standard deviations about once in 700 draws)
+NOISE_SPREADS = 3.0
+#: the MAD of normal noise times this is its standard deviation
+_MAD_TO_SIGMA = 1.4826
 
 
-def _compute_rows(partitions: list, step_s: float) -> list[dict]:
-    per_rank: dict = {}
-    for p in partitions:
-        per_rank.setdefault(p.rank, []).append(p.parts["compute"].total / 1e9)
-    if len(per_rank) < 2:
-        return []
-    # median over steps: one step stalled by the machine is not a straggler
-    mean = {r: float(np.median(v)) for r, v in per_rank.items()}
-    ref = float(np.median(list(mean.values())))
-    rows = []
-    for rank, value in mean.items():
-        if ref > 0 and value / ref - 1 >= MIN_SLOWDOWN and value - ref >= MIN_COST_FRACTION * step_s:
-            rows.append({"rank": rank, "metric": "compute", "slowdown": value / ref - 1, "cost_s": value - ref})
-    return rows
+def _robust_sigma(x: np.ndarray) -> float:
+    """Standard deviation from the median absolute deviation: one outlier (the straggler
+    itself) does not widen it."""
+    x = x[np.isfinite(x)]
+    return float(_MAD_TO_SIGMA * np.median(np.abs(x - np.median(x)))) if x.size else 0.0
 
 
-def _arrival_rows(inst: pd.DataFrame | None, n_steps: int, step_s: float) -> list[dict]:
+def _spreads(excess: pd.DataFrame) -> tuple[float | None, float | None]:
+    """The run's own noise (seconds), two ways: (step to step: each rank's excess around its
+    own median over steps; across ranks: the ranks' steady offsets). Descheduling gives both:
+    a rank unlucky in one step, and ranks unlucky for several steps running (processes
+    sharing too few cores keep their share of them for a while). None where it cannot be measured: one step;
+    fewer than three ranks, whose offsets are the same distance either side of their median."""
+    steps = (excess.sub(excess.median(axis=1), axis=0).to_numpy(float) if excess.shape[1] > 1 else None)
+    ranks = excess.median(axis=1).to_numpy(float) if len(excess) > 2 else None
+    return (None if steps is None else _robust_sigma(steps.ravel()),
+            None if ranks is None else _robust_sigma(ranks))
+
+
+def _persistent(values: pd.DataFrame, floor: np.ndarray, metric: str) -> pd.DataFrame:
+    """``values``: seconds per (rank row, step column), NaN where a rank lacks the step;
+    ``floor``: per rank and step, the least excess that matters. -> per named rank: metric,
+    cost_s, relative (excess / the median rank), steps_late, steps, spread_s, evidence."""
+    ref = values.median(axis=0)  # the median rank of each step
+    excess = values.sub(ref, axis=1)
+    by_step, by_rank = _spreads(excess)
+    if by_step is None and by_rank is None:
+        # one step of two ranks: nothing tells a slow rank from a slow moment
+        return pd.DataFrame(columns=["rank", "metric", "cost_s", "relative", "steps_late", "steps", "spread_s",
+                                     "evidence"])
+    spread = max(by_step or 0.0, by_rank or 0.0)
+    late = excess.to_numpy(float) > np.maximum(NOISE_SPREADS * spread, floor)  # NaN compares False
+    steps = values.notna().sum(axis=1).to_numpy()
+    steps_late = late.sum(axis=1)
+    named = (steps > 0) & (steps_late * 2 > steps)
+    relative = excess.div(ref.where(ref > 0), axis=1)
+    out = pd.DataFrame({"rank": values.index.to_numpy()[named].astype(int), "metric": metric,
+                        "cost_s": excess[named].median(axis=1).to_numpy(float),
+                        "relative": relative[named].median(axis=1).to_numpy(float),
+                        "steps_late": steps_late[named].astype(int), "steps": steps[named].astype(int),
+                        "spread_s": spread})
+    noise = "; ".join(f"{what} {value * 1e3:.2g} ms" for what, value in
+                      (("step to step", by_step), ("across ranks", by_rank)) if value is not None)
+    out["evidence"] = [f"late in {k} of {n} steps by {c * 1e3:.3g} ms (median); noise spread {noise}"
+                       for k, n, c in zip(out["steps_late"], out["steps"], out["cost_s"])]
+    return out
+
+
+def _compute_rows(partitions: list, step_s: float) -> pd.DataFrame:
+    table = pd.DataFrame([(p.rank, p.step, p.parts["compute"].total / 1e9) for p in partitions],
+                         columns=["rank", "step", "compute_s"])
+    values = table.pivot_table(index="rank", columns="step", values="compute_s", aggfunc="sum")
+    if len(values) < 2:
+        return pd.DataFrame()
+    floor = np.maximum(MIN_SLOWDOWN * values.median(axis=0).to_numpy(float), MIN_COST_FRACTION * step_s)
+    rows = _persistent(values, floor, "compute")
+    return rows.assign(slowdown=rows["relative"])
+
+
+def _arrival_rows(inst: pd.DataFrame | None, ranks: pd.Index, steps: pd.Index, step_s: float) -> pd.DataFrame:
     waits = instance_waits(inst)
+    if waits.empty or len(ranks) < 2:
+        return pd.DataFrame()
+    waits = waits[((waits["n"] > 1).to_numpy() & ~step_end_rows(waits["name"])) & waits["step"].isin(steps).to_numpy()]
     if waits.empty:
-        return []
-    waits = waits[(waits["n"] > 1) & ~step_end_rows(waits["name"])]
-    rows = []
-    for rank, grp in waits.groupby("rank"):
-        late = float(grp["late_ns"].sum()) / 1e9 / max(n_steps, 1)
-        share = float(grp["is_last"].mean())
-        if share > 0.5 and late >= MIN_COST_FRACTION * step_s:
-            rows.append({"rank": int(rank), "metric": "collective_arrival", "slowdown": share, "cost_s": late})
-    return rows
+        return pd.DataFrame()
+    waits = waits.astype({"rank": np.int64, "step": np.int64})
+    # a rank at no collective of a step kept nobody waiting in it
+    lateness = (waits.groupby(["rank", "step"])["late_ns"].sum().unstack()
+                .reindex(index=ranks, columns=steps).fillna(0.0) / 1e9)
+    rows = _persistent(lateness, np.full(lateness.shape, MIN_COST_FRACTION * step_s), "collective_arrival")
+    share = waits.groupby("rank")["is_last"].mean()
+    return rows.assign(slowdown=rows["rank"].map(share).to_numpy(float))
 
 
 def _caused_waits(pairs: pd.DataFrame | None, n_steps: int) -> dict:
@@ -68,14 +130,18 @@ def _caused_waits(pairs: pd.DataFrame | None, n_steps: int) -> dict:
 
 
 def find_stragglers(partitions: list, pairs: pd.DataFrame | None, inst: pd.DataFrame | None) -> pd.DataFrame:
-    """Rows {rank, metric, slowdown, cost_s}, the most costly first (the culprit)."""
+    """Rows {rank, metric, slowdown, cost_s, peers_wait_s, steps_late, steps, spread_s,
+    evidence}, the most costly first (the culprit); none when no rank is persistently late."""
     if not partitions:
         return pd.DataFrame(columns=list(COLUMNS))
-    n_steps = len({p.step for p in partitions})
+    ranks = pd.Index(sorted({p.rank for p in partitions}), dtype=np.int64)
+    steps = pd.Index(sorted({p.step for p in partitions}), dtype=np.int64)
     step_s = float(np.mean([p.wall_ns for p in partitions])) / 1e9
-    rows = _compute_rows(partitions, step_s) + _arrival_rows(inst, n_steps, step_s)
-    caused = _caused_waits(pairs, n_steps)
-    for row in rows:
-        row["peers_wait_s"] = caused.get(row["rank"], 0.0)
-    out = pd.DataFrame(rows, columns=list(COLUMNS))
+    found = [f for f in (_compute_rows(partitions, step_s), _arrival_rows(inst, ranks, steps, step_s)) if len(f)]
+    if not found:
+        return pd.DataFrame(columns=list(COLUMNS))
+    out = pd.concat(found, ignore_index=True)
+    caused = _caused_waits(pairs, len(steps))
+    out["peers_wait_s"] = out["rank"].map(caused).fillna(0.0).astype(float)
+    out = out[list(COLUMNS)]
     return out.sort_values(["cost_s", "rank"], ascending=[False, True], kind="stable").reset_index(drop=True)

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..analyzers.partition import partition_run
+from ..progress import WRITE, phased
 from ..whatif.predict import whatif
 
 
+@phased(f"{WRITE} the dashboard")
 def write_page(run, report: dict, path, png_dir=None) -> Path:
     """Write the dashboard of ``run`` beside its contract-4 ``report``; returns the path."""
     from dashboards import write_dashboard

@@ -17,6 +17,7 @@ from ..analyzers.gpu_timeline import gpu_timeline, is_launch_bound
 from ..analyzers.p2p import link_table, match_pairs
 from ..analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
 from ..ingest.run import Run
+from ..progress import ANALYSE, phased
 from ..analyzers.stragglers import find_stragglers
 from ..vocab import COMM_DIMS, PARTS, RANGE_KINDS
 
@@ -39,6 +40,25 @@ def _clean(value):
     if value is pd.NA:
         return None
     return value
+
+
+def _whole(x):
+    """A count (a per-step mean) as an int when it is whole: JSON says 48, not 48.0."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _whole_counts(report: dict) -> dict:
+    """Counts and byte counts of the document as ints where whole (p2p pairs, links,
+    collectives); means that are not whole stay floats."""
+    p2p = report["p2p"]
+    p2p["pairs"] = _whole(p2p["pairs"])
+    for row in [*p2p["links"], *report["collectives"]]:
+        for key in row:
+            if key in ("count", "bytes") or key.endswith("_count"):
+                row[key] = _whole(row[key])
+        if isinstance(row.get("ops"), dict):
+            row["ops"] = {op: _whole(n) for op, n in row["ops"].items()}
+    return report
 
 
 def _select(view: Run, steps, ranks) -> tuple[Run, list[str]]:
@@ -93,7 +113,7 @@ def _input_warnings(view: Run, partitions, pairs_unmatched) -> list[str]:
             "separated from p2p: NCCL send/recv kernels count as pp_transfer, and time outside "
             "kernels as other (instrument the trainer with pptrace.region for the full breakdown)"
         )
-    missing = sorted(set(range(view.layout.world_size)) - set(view.ranks))
+    missing = list(getattr(view, "missing_ranks", ()))  # of the ranks requested (load_run's ranks)
     if missing and not any("no usable trace" in w for w in view.warnings):
         warnings.append(f"ranks {missing[:8]} of {view.layout.world_size} have no trace; results cover the others only")
     stepped = {p.rank for p in partitions}
@@ -182,6 +202,7 @@ def _microbatch_rows(view: Run, ranks) -> list[dict]:
     return times[["rank", "stage", "step", "mb", "chunk", "op", "start_s", "dur_s"]].to_dict("records")
 
 
+@phased(ANALYSE)
 def build_report(run, steps=None, ranks=None) -> dict:
     """The contract-4 document for a loaded run (a ``pptrace.ingest.run.Run``).
     ``steps``/``ranks`` select what is reported; the pipeline window still spans every
@@ -200,7 +221,7 @@ def build_report(run, steps=None, ranks=None) -> dict:
     if view.steps and inst is not None and len(inst):
         inst = inst[inst["step"].isin(list(view.steps))]
     links = link_table(sel_pairs)
-    for column in ("count", "bytes", "wait_s", "transfer_s"):
+    for column in ("count", "bytes", "wait_s", "transfer_s", "bandwidth_count"):
         links[column] = links[column] / n_steps
     chosen = partitions if ranks is None else [p for p in partitions if p.rank in ranks]
     report = {
@@ -232,7 +253,7 @@ def build_report(run, steps=None, ranks=None) -> dict:
                      *_gpu_warnings(view, acts, gpu, bool((view.events["kind"].isin(list(RANGE_KINDS))
                                                           & (view.events["lane_kind"] == "host")).any()))],
     }
-    return _clean(report)
+    return _whole_counts(_clean(report))
 
 
 # -------------------------------------------------------------------------------------------
@@ -242,12 +263,168 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.2f}"
 
 
-def print_report(report: dict, console) -> None:
-    """Rich tables, one per view: pipeline stages, per-rank breakdown (mean over steps, ms),
-    p2p links, collectives by dim, stragglers, warnings."""
-    from rich.markup import escape
-    from rich.table import Table
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
+
+def _n(x) -> str:
+    """A count or byte figure (a per-step mean): whole numbers without a fraction."""
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def _header(part: str) -> str:
+    """A step part as a column header: words, so that the header wraps instead of widening
+    the column ("tp_exposed" -> "tp exposed")."""
+    return part.replace("_", " ")
+
+
+#: What each column means, per table: (headers, short or None, long). The legend under the
+#: tables gives the short text of the columns shown; ``--explain`` the long text of each.
+LEGEND = {
+    "stages": ("Pipeline bubble per stage", [
+        (("stage",), None, "pipeline stage (its ranks are those with this pp coordinate)"),
+        (("step",), None, "mean step wall time of the stage's ranks"),
+        (("bubble",), "idle, waiting for another stage",
+         "mean pp_bubble per step of the stage's ranks: receives waiting for the peer stage to "
+         "send, and the step-end all-reduce waiting while the pipeline drains"),
+        (("frac",), None, "bubble / step"),
+        (("schedule",), "the part of it the schedule causes (compare with theory)",
+         "bubble_schedule_s: what a replay of the step in its measured order, with free p2p and no "
+         "host gaps, leaves idle; the number to compare with theory"),
+        (("latency",), "the part p2p latency and host gaps add",
+         "bubble_latency_s = bubble - schedule: idle time owed to p2p latency and host gaps on the "
+         "critical path (every stage idles through it)"),
+        (("theory", "theory frac"), "the schedule's bubble with these pass times and free p2p",
+         "theory_bubble_s: the schedule's closed form (GPipe and 1F1B (p-1)(t_fwd+t_bwd), "
+         "interleaved the same / vpp, ZB-H1 less the weight-gradient passes) or a zero-latency "
+         "replay of its action order, fed this run's measured pass times (the line under the "
+         "table says which); theory frac = theory / step"),
+        (("warm-up", "steady", "cool-down"), "bubble before the first backward / to the last forward / after",
+         "the bubble by phase: before the stage's first backward (the pipeline filling), from "
+         "there to its last forward (steady state), after it (the pipeline draining)"),
+        (("t_fwd", "t_bwd", "t_w"), "median forward / backward / weight-gradient pass of one microbatch",
+         "median over ranks, steps and microbatches of one microbatch's forward, whole backward "
+         "(input and weight gradient), and weight-gradient pass alone (zero-bubble schedules run "
+         "it apart; 0 otherwise)"),
+    ]),
+    "ranks": ("Step time per rank", [
+        (("rank",), None, "global rank"),
+        (("where",), "pipeline stage, tp/cp/dp index",
+         "the rank's layout coordinates: pp stage, then its tp, cp and dp index where that size is over 1"),
+        (("step",), "compute to other add up to it",
+         "step wall time (ProfilerStep#N; on GPU traces, of the GPU work it launched); the columns "
+         "from compute to other are its parts and add up to it"),
+        (("compute",), None, "compute ranges (forward, backward, optimizer...) or compute kernels"),
+        (tuple(_header(f"{d}_exposed") for d in COMM_DIMS),
+         "communication with no compute under it (it lengthens the step)",
+         "breakdown_s.<dim>_exposed: time in tp (tensor), cp (context), dp (data) or ep (expert) "
+         "parallel communication while nothing computed"),
+        ((_header("pp_transfer"),), "p2p moving data",
+         "breakdown_s.pp_transfer: pipeline send/recv time once both sides had posted, and p2p "
+         "that could not be paired"),
+        ((_header("pp_bubble"),), "waiting for another stage", "breakdown_s.pp_bubble: see bubble above"),
+        (("other",), "host gaps, unannotated work",
+         "breakdown_s.other: step time in none of the above (host gaps, unannotated work, "
+         "memcpy on GPU traces)"),
+        (tuple(f"{d} hidden" for d in COMM_DIMS), "communication under compute (not part of step)",
+         "hidden_s.<dim>: that dimension's communication while compute ran; not one of the parts "
+         "that add up to step"),
+    ]),
+    "links": ("Pipeline p2p links", [
+        (("src", "dst"), None, "sending and receiving rank"),
+        (("count", "bytes"), None, "messages and bytes per step (mean over steps)"),
+        (("wait ms",), "a receive waiting for its send (bubble)",
+         "time a message waited until both sides had posted (and the exchange's last message "
+         "too); part of pp_bubble, not of communication"),
+        (("transfer ms",), "moving data once both sides had posted",
+         "time from both sides posted until the first side was done; pp_transfer"),
+        (("GB/s",), None, "bytes / transfer time over the messages whose transfer was exposed (at least "
+         "half of their moving time not under a pass): the rate once both sides were ready"),
+    ]),
+    "collectives": ("Collectives by dimension", [
+        (("dim",), None, "parallel dimension of the process group"),
+        (("count", "bytes"), None, "collectives and bytes per rank per step (mean)"),
+        (("time ms",), None, "time collectives were in progress, launch to completion"),
+        (("exposed ms", "hidden ms"), "with no compute under it / under compute",
+         "the part of time with nothing computing (<dim> exposed in the step) / under compute (<dim> hidden)"),
+        (("wait ms",), "waiting for the group's last rank",
+         "time from the rank's arrival to the last rank's (the step-end all-reduce is left out: "
+         "its wait is the pipeline draining)"),
+        (("transfer ms",), None, "the rest of the time until the rank left"),
+        (("ops",), None, "each collective and how many of it per rank per step"),
+    ]),
+    "stragglers": ("Stragglers", [
+        (("rank",), None, "the straggler; the one that costs most first"),
+        (("metric",), "compute: computes longer than the median rank; collective_arrival: last at collectives",
+         "compute: the rank computes longer per step than the median rank (its stage paces every "
+         "microbatch round, its dp group waits for it); collective_arrival: it is the last to "
+         "arrive at collectives"),
+        (("slowdown",), None, "compute: its compute over the median rank's, minus 1; "
+         "collective_arrival: share of its collectives where it came last"),
+        (("cost ms/step",), "step time it costs the others",
+         "compute: its compute beyond the median rank's; collective_arrival: how long the group "
+         "waited for it alone (last minus second-last arrival)"),
+        (("evidence",), "in how many steps it was late, by how much, against the run's own spread",
+         "a rank is named only when it is late in most profiled steps by more than three times the "
+         "run's own spread (step to step, and across ranks): OS scheduling noise on an oversubscribed "
+         "machine makes single slow steps, not persistent stragglers"),
+    ]),
+}
+CRITICAL_PATH_LEGEND = ("critical path: per step, the chain of work across ranks that set the step "
+                        "time, and what it was made of")
+
+
+def _names(names) -> str:
+    """("tp exposed", "cp exposed") -> "tp, cp exposed"; other groups joined by " / "."""
+    tails = {n.partition(" ")[2] for n in names}
+    if len(names) > 1 and len(tails) == 1 and all(n.partition(" ")[0] in COMM_DIMS for n in names):
+        return ", ".join(n.partition(" ")[0] for n in names) + f" {tails.pop()}"
+    return " / ".join(names)
+
+
+def print_legend(console, shown: dict, explain: bool = False) -> None:
+    """The legend of the tables printed (``shown``: table key -> headers): the jargon in a few
+    lines, or with ``explain`` every column of them."""
+    from rich.markup import escape
+    from rich.padding import Padding
+    from rich.text import Text
+
+    def entry(label: str, text: str) -> None:
+        line = Text.assemble((label, "bold"), text)
+        console.print(Padding(line, (0, 0, 0, 2), expand=False), highlight=False)
+
+    if explain:
+        console.print("\n[bold]Columns[/] (ms: milliseconds per step, mean over the profiled steps)")
+    else:
+        console.print("\n[bold]legend[/] (ms per step, mean over steps; every column: pptrace analyze --explain)")
+    for key, (title, entries) in LEGEND.items():
+        headers = set(shown.get(key) or ())
+        # a group is named whole (its text speaks of each), also when a column of it was left out
+        picked = [(names, short, long) for names, short, long in entries if headers & set(names)]
+        if explain and picked:
+            console.print(f"[bold]{escape(title)}[/]")
+            for names, _, long in picked:
+                entry(f"{_names(names)}: ", long)
+        elif picked:
+            text = "; ".join(f"{_names(names)} = {short}" for names, short, _ in picked if short)
+            if text:
+                entry(f"{title}: ", text)
+    if explain and shown.get("critical_path"):
+        entry("", CRITICAL_PATH_LEGEND)
+
+
+def print_report(report: dict, console, explain: bool = False) -> None:
+    """Tables, one per view: pipeline stages, per-rank breakdown (mean over steps, ms), p2p
+    links, collectives by dim, stragglers; then warnings and a legend of the columns shown
+    (``explain``: every column at length). Tables fit the console's width and never cut a
+    value (export/tables.py)."""
+    from rich.markup import escape
+
+    from .tables import Col, print_table
+
+    shown: dict = {}
     run = report["run"]
     lay = run["layout"]
     console.print(
@@ -260,65 +437,68 @@ def print_report(report: dict, console) -> None:
             f"{escape(str(k))}: {escape(str(v))}" for k, v in run["inferred"].items()), highlight=False)
     pipe = report["pipeline"]
     if pipe["stages"] and lay["pp"] > 1:
-        # "schedule" is the part of the bubble the schedule causes (compare with theory);
-        # "latency" the part owed to p2p latency and host gaps on the critical path.
-        t = Table(title=f"Pipeline bubble per stage (ms) — measured {pipe['bubble_fraction']:.1%} vs "
-                        f"theory {pipe['theory_bubble_fraction']:.1%} of the step")
-        for col in ("stage", "step", "bubble", "frac", "schedule", "latency", "theory", "theory frac",
-                    "warm-up", "steady", "cool-down", "t_fwd", "t_bwd", "t_w"):
-            t.add_column(col, justify="right")
-        for s in pipe["stages"]:
-            t.add_row(str(s["stage"]), _ms(s["step_s"]), _ms(s["bubble_s"]), f"{s['bubble_fraction']:.1%}",
-                      _ms(s.get("bubble_schedule_s")), _ms(s.get("bubble_latency_s")),
-                      _ms(s.get("theory_bubble_s")), f"{s.get('theory_bubble_fraction') or 0:.1%}",
-                      _ms(s["warmup_bubble_s"]), _ms(s["steady_bubble_s"]), _ms(s["cooldown_bubble_s"]),
-                      _ms(s["t_fwd_s"]), _ms(s["t_bwd_s"]), _ms(s["t_wgrad_s"]))
+        cols = [Col("stage", key=True), *(Col(h) for h in (
+            "step", "bubble", "frac", "schedule", "latency", "theory", "theory frac", "warm-up", "steady",
+            "cool-down", "t_fwd", "t_bwd", "t_w"))]
+        rows = [[str(s["stage"]), _ms(s["step_s"]), _ms(s["bubble_s"]), _pct(s["bubble_fraction"]),
+                 _ms(s.get("bubble_schedule_s")), _ms(s.get("bubble_latency_s")),
+                 _ms(s.get("theory_bubble_s")), _pct(s.get("theory_bubble_fraction") or 0),
+                 _ms(s["warmup_bubble_s"]), _ms(s["steady_bubble_s"]), _ms(s["cooldown_bubble_s"]),
+                 _ms(s["t_fwd_s"]), _ms(s["t_bwd_s"]), _ms(s["t_wgrad_s"])] for s in pipe["stages"]]
         if pipe.get("theory_source"):
-            t.caption = f"theory: {pipe['theory_source']} with this run's measured pass times"
+            caption = f"theory: {pipe['theory_source']} with this run's measured pass times"
         else:
-            t.caption = "theory: unknown (no closed form for this schedule and no pass order to replay)"
-        console.print(t)
+            caption = "theory: unknown (no closed form for this schedule and no pass order to replay)"
+        shown["stages"] = print_table(
+            console, f"Pipeline bubble per stage (ms) — measured {pipe['bubble_fraction']:.1%} vs "
+                     f"theory {pipe['theory_bubble_fraction']:.1%} of the step", cols, rows, caption=caption)
     for bound in report.get("critical_path") or ():
+        shown["critical_path"] = True
         console.print(f"[bold]critical path[/] {escape(bound['summary'])}", highlight=False)
-    t = Table(title="Step time per rank (ms, mean over steps)")
-    for col in ("rank", "where", "step", *PARTS, *(f"{d} hidden" for d in COMM_DIMS)):
-        t.add_column(col, justify="right")
+    cols = [Col("rank", key=True), Col("where", key=True, justify="left"), Col("step", drop_zero=False),
+            *(Col(_header(p)) for p in PARTS), *(Col(f"{d} hidden") for d in COMM_DIMS)]
+    rows = []
     for r in report["ranks"]:
         m = r["mean"]
         if m is None:
             continue
-        t.add_row(str(r["rank"]), r.get("describe") or "", _ms(m["time_s"]),
-                  *(_ms(m["breakdown_s"][p]) for p in PARTS), *(_ms(m["hidden_s"][d]) for d in COMM_DIMS))
-    console.print(t)
+        rows.append([str(r["rank"]), r.get("describe") or "", _ms(m["time_s"]),
+                     *(_ms(m["breakdown_s"][p]) for p in PARTS), *(_ms(m["hidden_s"][d]) for d in COMM_DIMS)])
+    shown["ranks"] = print_table(console, "Step time per rank (ms, mean over steps)", cols, rows)
     p2p = report["p2p"]
     if p2p["links"]:
-        t = Table(title=f"Pipeline p2p links (per step): {p2p['pairs']:.0f} pairs, wait "
-                        f"{_ms(p2p['wait_s'])} ms, transfer {_ms(p2p['transfer_s'])} ms")
-        for col in ("src", "dst", "count", "bytes", "wait ms", "transfer ms", "GB/s"):
-            t.add_column(col, justify="right")
+        cols = [Col("src", key=True), Col("dst", key=True),
+                *(Col(h) for h in ("count", "bytes", "wait ms", "transfer ms", "GB/s"))]
+        rows = []
         for link in p2p["links"]:
             bw = link.get("bandwidth_gbps")
-            t.add_row(str(link["src"]), str(link["dst"]), f"{link['count']:.0f}", f"{link['bytes']:.0f}",
-                      _ms(link["wait_s"]), _ms(link["transfer_s"]), "-" if bw is None else f"{bw:.3f}")
-        console.print(t)
+            rows.append([str(link["src"]), str(link["dst"]), _n(link["count"]), _n(link["bytes"]),
+                         _ms(link["wait_s"]), _ms(link["transfer_s"]), "-" if bw is None else f"{bw:.3f}"])
+        shown["links"] = print_table(
+            console, f"Pipeline p2p links (per step): {_n(p2p['pairs'])} pairs, wait {_ms(p2p['wait_s'])} ms, "
+                     f"transfer {_ms(p2p['transfer_s'])} ms", cols, rows)
     if report["collectives"]:
-        t = Table(title="Collectives by dimension (per rank per step)")
-        for col in ("dim", "count", "bytes", "time ms", "exposed ms", "hidden ms", "wait ms", "transfer ms", "ops"):
-            t.add_column(col, justify="right")
+        cols = [Col("dim", key=True), *(Col(h) for h in ("count", "bytes", "time ms", "exposed ms", "hidden ms",
+                                                         "wait ms", "transfer ms")),
+                Col("ops", wrap=True, justify="left")]
+        rows = []
         for c in report["collectives"]:
-            ops = ", ".join(f"{k}×{v:g}" for k, v in (c.get("ops") or {}).items())
-            t.add_row(c["dim"], f"{c['count']:.1f}", f"{c['bytes']:.0f}", _ms(c["time_s"]), _ms(c["exposed_s"]),
-                      _ms(c["hidden_s"]), _ms(c["wait_s"]), _ms(c["transfer_s"]), ops)
-        console.print(t)
+            ops = ", ".join(f"{k}×{_n(v)}" for k, v in (c.get("ops") or {}).items())
+            rows.append([c["dim"], _n(c["count"]), _n(c["bytes"]), _ms(c["time_s"]), _ms(c["exposed_s"]),
+                         _ms(c["hidden_s"]), _ms(c["wait_s"]), _ms(c["transfer_s"]), ops])
+        shown["collectives"] = print_table(console, "Collectives by dimension (per rank per step)", cols, rows)
     if report["stragglers"]:
-        t = Table(title="Stragglers (culprit first)")
-        for col in ("rank", "metric", "slowdown", "cost ms/step"):
-            t.add_column(col, justify="right")
+        cols = [Col("rank", key=True), Col("metric", key=True), *(Col(h) for h in ("slowdown", "cost ms/step")),
+                Col("evidence", wrap=True, justify="left")]
+        rows = []
         for s in report["stragglers"]:
             slow = s["slowdown"]
-            t.add_row(str(s["rank"]), s["metric"], "-" if slow is None else f"{slow:+.1%}", _ms(s["cost_s"]))
-        console.print(t)
+            rows.append([str(s["rank"]), s["metric"], "-" if slow is None else f"{slow:+.1%}", _ms(s["cost_s"]),
+                         s.get("evidence") or "-"])
+        shown["stragglers"] = print_table(console, "Stragglers (culprit first)", cols, rows)
     else:
-        console.print("No stragglers found.")
+        console.print("No persistent straggler: no rank was late in most steps by more than the run's own "
+                      "step-to-step spread.")
     for w in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
+    print_legend(console, shown, explain)

@@ -21,6 +21,7 @@ apart. ``offset_ns`` is subtracted from a rank's raw times.
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
 import pandas as pd
@@ -312,10 +313,12 @@ def clock_drift_warnings(metas: dict) -> list[str]:
         start, end = clock.get("start"), clock.get("end")
         try:
             drift = (end["wall_ns"] - start["wall_ns"]) - (end["perf_ns"] - start["perf_ns"])
-        except (TypeError, KeyError):
+            # each sample is exact only to its bracket (0 for traces from before brackets existed)
+            slack = start.get("bracket_ns", 0) + end.get("bracket_ns", 0)
+            if not math.isfinite(drift) or not math.isfinite(slack):  # a clock pair that is no clock
+                continue
+        except (TypeError, KeyError, AttributeError, OverflowError):
             continue
-        # each sample is exact only to its bracket (0 for traces from before brackets existed)
-        slack = start.get("bracket_ns", 0) + end.get("bracket_ns", 0)
         if abs(drift) > 1_000_000 + slack:
             out.append(
                 f"rank {rank}: its wall clock moved {drift / 1e6:+.1f} ms against its monotonic "

@@ -4,6 +4,8 @@ frame from them (:func:`frame_from_tables`). The schema itself is :mod:`pptrace.
 """
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pandas as pd
 
@@ -77,16 +79,58 @@ def empty_frame() -> pd.DataFrame:
     return pd.DataFrame(data)
 
 
+#: Schema metadata key of a stored table's checksums, "<metadata crc>:<table crc>": CRC-32s
+#: of its other metadata, and of that and every message after the schema (headers and
+#: bodies), so that a file damaged on disk is never read as data (zstd frames carry no
+#: checksum, small buffers are stored uncompressed, and a message header holds the lengths).
+CHECKSUM_KEY = b"pptrace.crc32"
+_FILE_MAGIC_BYTES = 8  # "ARROW1" and its padding, before the IPC stream
+
+
+def _metadata_crc(metadata: dict) -> int:
+    return zlib.crc32(b"\0".join(k + b"=" + v for k, v in sorted(metadata.items()) if k != CHECKSUM_KEY))
+
+
+def _checksums(stream, metadata: dict) -> bytes:
+    """CHECKSUM_KEY's value for the IPC ``stream`` (a file's bytes after the magic) of a
+    table with schema ``metadata``. The schema message itself is left out (it holds this
+    value); read() compares the schema it declares with :func:`arrow_schema` instead."""
+    import pyarrow as pa
+
+    first = crc = _metadata_crc(metadata)
+    reader = pa.ipc.MessageReader.open_stream(pa.BufferReader(stream))
+    while True:  # a few messages: the schema, the dictionaries, the record batches
+        try:
+            message = reader.read_next_message()
+        except StopIteration:
+            break
+        if message is None:
+            break
+        if message.type != "schema":
+            crc = zlib.crc32(message.metadata, crc)
+            if message.body is not None:
+                crc = zlib.crc32(message.body, crc)
+    return f"{first}:{crc}".encode()
+
+
+def metadata_intact(metadata: dict) -> bool:
+    """Whether a stored table's schema metadata (its footer's, as read without the data)
+    is as written; False for a table stored without checksums."""
+    value = (metadata or {}).get(CHECKSUM_KEY, b"")
+    return value.split(b":")[0] == str(_metadata_crc(metadata)).encode()
+
+
 class StoredTable:
     """A per-rank table kept compact until the run's frame is assembled: an Arrow IPC file
     (its cache entry) or the same bytes in memory, buffers zstd-compressed, read back once
     by :func:`frame_from_tables`. ``num_rows`` is known without reading the data.
-    Picklable (worker -> parent)."""
+    ``source``: (trace path, rank) a cache entry was parsed from, to parse it again should
+    the entry turn out broken. Picklable (worker -> parent)."""
 
-    __slots__ = ("num_rows", "path", "ipc")
+    __slots__ = ("num_rows", "path", "ipc", "source")
 
-    def __init__(self, num_rows: int, path=None, ipc: bytes | None = None):
-        self.num_rows, self.path, self.ipc = int(num_rows), path, ipc
+    def __init__(self, num_rows: int, path=None, ipc: bytes | None = None, source: tuple | None = None):
+        self.num_rows, self.path, self.ipc, self.source = int(num_rows), path, ipc, source
 
     @staticmethod
     def write_ipc(table, sink) -> None:
@@ -95,6 +139,20 @@ class StoredTable:
         options = pa.ipc.IpcWriteOptions(compression="zstd" if pa.Codec.is_available("zstd") else None)
         with pa.ipc.new_file(sink, table.schema, options=options) as writer:
             writer.write_table(table)
+
+    @classmethod
+    def write_checked(cls, table, path) -> None:
+        """An IPC file of ``table`` with its checksum (CHECKSUM_KEY) in the schema metadata,
+        which :meth:`read` verifies. Serialized twice: the checksum covers the bodies of the
+        first, which the metadata does not change."""
+        import pyarrow as pa
+
+        first = pa.BufferOutputStream()
+        cls.write_ipc(table, first)
+        metadata = dict(table.schema.metadata or {})
+        metadata[CHECKSUM_KEY] = _checksums(first.getvalue().slice(_FILE_MAGIC_BYTES), metadata)
+        del first
+        cls.write_ipc(table.replace_schema_metadata(metadata), path)
 
     @classmethod
     def pack(cls, table) -> "StoredTable":
@@ -112,7 +170,14 @@ class StoredTable:
         pool = pa.system_memory_pool()
         if self.path is not None:
             with pa.OSFile(str(self.path)) as source:
-                return pa.ipc.open_file(source, memory_pool=pool).read_all()
+                stream = source.read_buffer().slice(_FILE_MAGIC_BYTES)
+            # the messages in order, as checksummed (the footer only indexes them)
+            reader = pa.ipc.open_stream(stream, memory_pool=pool)
+            metadata = reader.schema.metadata or {}
+            if CHECKSUM_KEY in metadata and (metadata[CHECKSUM_KEY] != _checksums(stream, metadata)
+                                             or not reader.schema.remove_metadata().equals(arrow_schema())):
+                raise ValueError(f"{self.path}: checksum mismatch (damaged on disk?)")
+            return reader.read_all()
         return pa.ipc.open_file(pa.py_buffer(self.ipc), memory_pool=pool).read_all()
 
 
@@ -165,18 +230,43 @@ def frame_from_tables(tables: list) -> pd.DataFrame:
 
 
 def _read_stored(item: StoredTable):
+    """The table of ``item``; a broken cache entry (damaged on disk, or replaced by another
+    pptrace since it was looked up) is dropped and its trace parsed again."""
     import pyarrow as pa
 
     from ..errors import TraceError
 
-    where = item.path if item.path is not None else "a rank's table in memory"
     try:
         table = item.read()
-    except (OSError, pa.ArrowException) as exc:
-        raise TraceError(f"{where}: unreadable ({exc}); delete the cache entry and load again") from None
+        # full: bad dictionary indices or offsets would otherwise fail (or read out of
+        # bounds) when the columns are copied
+        table.validate(full=True)
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        problem = f"unreadable ({' '.join(str(exc).split())[:200]})"
+    else:
+        if table.num_rows == item.num_rows:
+            return table
+        problem = f"{table.num_rows} rows where {item.num_rows} were recorded"
+    if item.path is not None and item.source is not None:
+        return _parse_again(item)
+    where = item.path if item.path is not None else "a rank's table in memory"
+    raise TraceError(f"{where}: {problem}; delete the cache entry and load again")
+
+
+def _parse_again(item: StoredTable):
+    from ..errors import TraceError
+    from . import store
+    from .load import _parse_job
+
+    store.drop(item.path)
+    trace, rank = item.source
+    stored, _, error = _parse_job(trace, rank, use_cache=True)
+    if error is not None:
+        raise TraceError(f"{item.path}: broken cache entry, and its trace no longer loads: {error}")
+    table = stored.read()
     if table.num_rows != item.num_rows:
-        raise TraceError(f"{where}: {table.num_rows} rows where {item.num_rows} were recorded; "
-                         "delete the cache entry and load again")
+        raise TraceError(f"{trace}: changed while pptrace loaded it ({table.num_rows} events, "
+                         f"{item.num_rows} a moment before); run again")
     return table
 
 

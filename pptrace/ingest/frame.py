@@ -38,6 +38,17 @@ _TS_TEXT = re.compile(rb'"ts"\s*:\s*(-?)(\d+)(?:\.(\d*))?')
 # Beyond 2**43 us a float64 ts is coarser than 1 ns (epoch-microsecond traces), so the
 # nanoseconds must come from the decimal text.
 _EXACT_FLOAT_US = float(2**43)
+#: A ts or dur (us) this large has no int64 nanosecond value once baseTimeNanoseconds is
+#: added (int64 ends at 9.2e18 ns): such an event cannot have happened, it is dropped.
+_MAX_US = 4e15
+#: Why an event is dropped (the codes of build_frame's ``why``; 0: kept), as the warning says it.
+_DROP_REASONS = {1: "without a usable timestamp", 2: "without a usable duration", 3: "with a negative duration",
+                 4: "far outside the rank's other events (ts or ts+dur)"}
+#: An event further than this from the median start of its rank's events (and further than
+#: ABSURD_SPREAD x their median distance to it) lies outside the profiled window: a corrupt
+#: timestamp, which would otherwise stretch steps or make the run look like two runs.
+ABSURD_FLOOR_NS = 3600 * 10**9
+ABSURD_SPREAD = 100
 _RPC_FIELDS = {
     "collective": "Collective name", "group_ranks": "Process Group Ranks",
     "pg_name": "Process Group Name", "in_nelems": "In msg nelems",
@@ -55,8 +66,27 @@ def _ns_from_text(sign: bytes, whole: bytes, frac: bytes) -> int:
     return -ns if sign else ns
 
 
-def _ts_ns(ts: list, events: list, x_index: list, blob, warnings: list, path) -> np.ndarray:
-    t = np.asarray(ts, dtype=np.float64)
+def _floats(values: list) -> np.ndarray:
+    """float64 of each value; NaN where it is not an int or float (None, a string, a bool,
+    an int too large for a float)."""
+    if set(map(type, values)) <= {int, float}:
+        try:
+            return np.asarray(values, dtype=np.float64)
+        except OverflowError:
+            pass
+    out = np.full(len(values), np.nan)
+    numeric = [i for i, v in enumerate(values) if type(v) in (int, float) and abs(v) < 1e300]
+    out[numeric] = [float(values[i]) for i in numeric]
+    return out
+
+
+def _ts_ns(ts: list, events: list, x_index: list, blob, warnings: list, path) -> tuple:
+    """-> (ns of each ts, whether it has none usable: missing, not a number, NaN, or beyond
+    int64 nanoseconds; those rows hold 0 and are dropped by the caller)."""
+    t = _floats(ts)
+    bad = ~(np.abs(t) < _MAX_US)  # NaN compares False: bad too
+    if bad.any():
+        t = np.where(bad, 0.0, t)
     if t.size and np.abs(t).max() >= _EXACT_FLOAT_US and any(type(v) is float for v in ts):
         if blob is not None:
             texts = _TS_TEXT.findall(blob)
@@ -71,13 +101,24 @@ def _ts_ns(ts: list, events: list, x_index: list, blob, warnings: list, path) ->
                 for has in has_ts:
                     slot.append(position)
                     position += has
-                return np.array([_ns_from_text(*texts[slot[i]]) for i in x_index], dtype=np.int64)
+                exact = np.array([_ns_from_text(*texts[slot[i]]) if has_ts[i] else 0 for i in x_index], dtype=np.int64)
+                return np.where(bad, 0, exact), bad
         if not any("nanosecond" in w for w in warnings):
             warnings.append(f"{path}: epoch-microsecond timestamps; nanosecond fractions rounded")
-        return np.rint(t * 1000.0).astype(np.int64)
+        return np.rint(t * 1000.0).astype(np.int64), bad
     # Split off the integer microseconds (exact) so the fraction keeps full float precision.
     whole = np.floor(t)
-    return whole.astype(np.int64) * 1000 + np.rint((t - whole) * 1000.0).astype(np.int64)
+    return whole.astype(np.int64) * 1000 + np.rint((t - whole) * 1000.0).astype(np.int64), bad
+
+
+def _dur_ns(dur: list) -> tuple:
+    """-> (ns of each dur, without a usable one (missing, not a number, NaN, infinite,
+    beyond int64), negative); the rows of the last two hold 0 and are dropped by the caller."""
+    d = _floats(dur)
+    missing = ~(np.abs(d) < _MAX_US)
+    negative = ~missing & (d < 0)
+    d = np.where(missing | negative, 0.0, d)
+    return np.rint(d * 1000.0).astype(np.int64), missing, negative
 
 
 #: the integer fields of ``args`` that become nullable Int64 columns directly
@@ -183,38 +224,39 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
     (category codes, int64, nullable parts) before the next is parsed. A slice is a list of
     event dicts (orjson / json) or of :class:`RawEvent` (typed decoding); both give the same
     table."""
-    parts: dict = {k: [] for k in ("pid", "tid", "name", "cat", "start", "dur", *_ARG_INTS)}
+    parts: dict = {k: [] for k in ("pid", "tid", "name", "cat", "start", "dur", "why", *_ARG_INTS)}
     names, cats = _Codes(bad=""), _Codes(bad=None)
     rpc, threads, p2p = {}, {}, {}
-    dropped = 0
+    foreign = 0
     n_before = 0
     for events, blob in slices:
         typed = bool(events) and type(events[0]) is RawEvent
         extract = _extract_structs if typed else _extract_dicts
         cols: dict = {}
-        x_index, ts, dur, n_dropped = extract(events, cols, rpc, threads, n_before, p2p)
-        dropped += n_dropped
-        parts["start"].append(_ts_ns(ts, events, x_index, blob, warnings, path))
+        x_index, ts, dur, n_foreign = extract(events, cols, rpc, threads, n_before, p2p)
+        foreign += n_foreign
+        start, no_ts = _ts_ns(ts, events, x_index, blob, warnings, path)
+        parts["start"].append(start)
         del events, ts
-        if not set(map(type, dur)) <= {int, float}:
-            dur = [v if type(v) in (int, float) else 0 for v in dur]
-        dur_us = np.asarray(dur, dtype=np.float64)
-        if not np.isfinite(dur_us).all():  # NaN / Infinity (json accepts them): no duration
-            dur_us = np.where(np.isfinite(dur_us), dur_us, 0.0)
-        parts["dur"].append(np.rint(np.maximum(dur_us, 0.0) * 1000.0).astype(np.int64))
+        dur_ns, no_dur, negative = _dur_ns(dur)
+        parts["dur"].append(dur_ns)
+        # the first reason that applies (a row without a ts is counted as that alone)
+        parts["why"].append(np.select([no_ts, no_dur, negative], [1, 2, 3], 0).astype(np.int8))
         parts["pid"].append(_int64(cols.pop("pid")))
         parts["tid"].append(_int64(cols.pop("tid")))
         parts["name"].append(names.add(cols.pop("name")))
         parts["cat"].append(cats.add(cols.pop("cat")))
         for key in _ARG_INTS:
             parts[key].append(_nullable_parts(cols.pop(key)))
-        n_before += len(parts["dur"][-1])
-        del dur, dur_us, x_index, cols
-    if dropped > 8:  # Kineto's own span events have string pids; more means a strange file
-        warnings.append(f"{path}: skipped {dropped} events without numeric pid/tid/ts")
+        n_before += len(dur_ns)
+        del dur, dur_ns, start, x_index, cols
+    if foreign > 8:  # Kineto's own span events have string pids; more means a strange file
+        warnings.append(f"{path}: skipped {foreign} events without numeric pid/tid")
     n = n_before
     start = _join(parts.pop("start"), np.int64) + base_ns
     dur = _join(parts.pop("dur"), np.int64)
+    why = _join(parts.pop("why"), np.int8)
+    _mark_absurd(start, dur, why)
     df = pd.DataFrame({
         "rank": np.full(n, rank, dtype=np.int32),
         "pid": _join(parts.pop("pid"), np.int64), "tid": _join(parts.pop("tid"), np.int64),
@@ -227,6 +269,10 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
         pieces = parts.pop(key)
         df[key] = pd.arrays.IntegerArray(_join([d for d, _ in pieces], np.int64), _join([m for _, m in pieces], bool))
         del pieces
+    lost_steps = 0
+    if why.any():
+        df, rpc, p2p, lost_steps = _drop(df, why, rpc, p2p, path, warnings)
+        n = len(df)
     _add_classification(df)
     gpu = df["cat"].isin(GPU_CATS).to_numpy()
     # gpu_user_annotation events carry no "stream" arg; their tid is the stream.
@@ -245,8 +291,41 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
         "main_tid": main_tid,
         "profiler_steps": sorted(int(s) for s in df.loc[df["category"] == "step", "step"].unique()),
         "n_events": n,
+        "dropped_steps": lost_steps,  # ProfilerStep ranges among the dropped events
     }
     return df[list(COLUMNS)].sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True), info
+
+
+def _mark_absurd(start: np.ndarray, dur: np.ndarray, why: np.ndarray) -> None:
+    """Set ``why`` to 4 for events whose start or end lies far outside the rank's other
+    events: ABSURD_FLOOR_NS and ABSURD_SPREAD median distances from their median start."""
+    ok = why == 0
+    if ok.sum() < 2:
+        return
+    s = start[ok].astype(np.float64)
+    mid = float(np.median(s))
+    radius = max(ABSURD_SPREAD * float(np.median(np.abs(s - mid))), ABSURD_FLOOR_NS)
+    t0 = start.astype(np.float64)
+    far = ok & ((np.abs(t0 - mid) > radius) | (np.abs(t0 + dur - mid) > radius))
+    why[far] = 4
+
+
+def _drop(df: pd.DataFrame, why: np.ndarray, rpc: dict, p2p: dict, path, warnings: list):
+    """(the table without the events ``why`` marks, rpc/p2p (keyed by row) renumbered, how
+    many ProfilerStep ranges were among them), and one warning line counting them by reason."""
+    keep = why == 0
+    counts = np.bincount(why, minlength=len(_DROP_REASONS) + 1)
+    detail = ", ".join(f"{counts[code]} {text}" for code, text in _DROP_REASONS.items() if counts[code])
+    n = int((~keep).sum())
+    names = df["name"].cat.categories.to_numpy(object)[df["name"].cat.codes.to_numpy()[~keep]]
+    marks = [x for x in pd.unique(names) if profiler_step_number(x) is not None]  # per distinct name
+    steps = int(np.isin(names, marks).sum()) if marks else 0
+    lost = f" (of which {steps} ProfilerStep ranges)" if steps else ""
+    warnings.append(f"{path}: {n} event{'s' * (n > 1)} dropped: {detail}{lost}; the other events are analyzed")
+    row = np.cumsum(keep) - 1  # old row -> new row
+    rpc = {int(row[k]): v for k, v in rpc.items() if keep[k]}
+    p2p = {int(row[k]): v for k, v in p2p.items() if keep[k]}
+    return df[keep].reset_index(drop=True), rpc, p2p, steps
 
 
 _NO_ARGS: dict = {}
@@ -255,21 +334,23 @@ _NO_ARGS: dict = {}
 def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before: int, p2p: dict):
     """One slice of event dicts -> ``cols`` (name, cat, pid, tid and _ARG_INTS: one list
     each, the slice's kept X events in order), rpc rows, thread names; returns
-    (x_index, ts, dur, dropped)."""
+    (x_index, ts, dur, events skipped for a non-numeric pid/tid)."""
     try:
         x_index = [i for i, e in enumerate(events) if e.get("ph") == "X"]
     except AttributeError:  # a non-object in the array: skip it
         x_index = [i for i, e in enumerate(events) if type(e) is dict and e.get("ph") == "X"]
     xs = [events[i] for i in x_index]
-    pids, tids, ts = [e.get("pid") for e in xs], [e.get("tid") for e in xs], [e.get("ts") for e in xs]
-    dropped = 0
-    # Kineto's own span events have string pids ("Spans"); drop anything not numeric.
-    if not (set(map(type, pids)) | set(map(type, tids))) <= {int} or not set(map(type, ts)) <= {int, float}:
-        ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pids, tids, ts)]
+    pids, tids = [e.get("pid") for e in xs], [e.get("tid") for e in xs]
+    foreign = 0
+    # Kineto's own span events have string pids ("Spans"): not events of the run. A bad ts
+    # or dur is counted and dropped by the caller (build_frame), not here.
+    if not (set(map(type, pids)) | set(map(type, tids))) <= {int}:
+        ok = [type(p) is int and type(t) is int for p, t in zip(pids, tids)]
         x_index = [i for i, good in zip(x_index, ok) if good]
         xs = [events[i] for i in x_index]
-        dropped = len(ok) - len(xs)
-        pids, tids, ts = [e["pid"] for e in xs], [e["tid"] for e in xs], [e["ts"] for e in xs]
+        foreign = len(ok) - len(xs)
+        pids, tids = [e["pid"] for e in xs], [e["tid"] for e in xs]
+    ts = [e.get("ts") for e in xs]
     for e in [e for e in events if type(e) is dict and e.get("ph") == "M" and e.get("name") == "thread_name"]:
         _name_thread(threads, e.get("tid"), (e.get("args") or {}).get("name"))
     cols["name"] = [e.get("name") for e in xs]
@@ -287,7 +368,7 @@ def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before:
     for i in _p2p_positions(cols["name"]):
         a = args[i]
         p2p[n_before + i] = p2p_args(cols["name"][i], a.get("Concrete Inputs"), a.get("Input Dims"), a.get("Input type"))
-    return x_index, ts, [e.get("dur", 0) for e in xs], dropped
+    return x_index, ts, [e.get("dur") for e in xs], foreign
 
 
 _X_FIELDS = tuple(attrgetter(f) for f in ("name", "cat", "pid", "tid", "ts", "dur", "args"))
@@ -296,15 +377,15 @@ _ARG_FIELDS = tuple(attrgetter(f) for f in ("stream", "correlation", "external_i
 
 def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_before: int, p2p: dict):
     """:func:`_extract_dicts` for a slice of :class:`RawEvent` (absent keys are None, like
-    ``dict.get``; ``dur`` defaults to 0 and "Collective name" to UNSET, as there). Columns
+    ``dict.get``; ``ts`` and ``dur`` default to UNSET, "Collective name" too). Columns
     are read in C (map + attrgetter), and x_index is None: only the rare exact-ts path
     needs it (see :func:`_struct_x_index`)."""
     xs = [e for e in events if e.ph == "X"]
     name, cat, pid, tid, ts, dur, args = (list(map(get, xs)) for get in _X_FIELDS)
-    dropped = 0
-    if not (set(map(type, pid)) | set(map(type, tid))) <= {int} or not set(map(type, ts)) <= {int, float}:
-        ok = [type(p) is int and type(t) is int and type(v) in (int, float) for p, t, v in zip(pid, tid, ts)]
-        dropped = len(ok) - sum(ok)
+    foreign = 0
+    if not (set(map(type, pid)) | set(map(type, tid))) <= {int}:
+        ok = [type(p) is int and type(t) is int for p, t in zip(pid, tid)]
+        foreign = len(ok) - sum(ok)
         name, cat, pid, tid, ts, dur, args = (list(compress(c, ok)) for c in (name, cat, pid, tid, ts, dur, args))
     for e in [e for e in events if e.ph == "M" and e.name == "thread_name"]:
         _name_thread(threads, e.tid, (e.args or _EMPTY_ARGS).name)
@@ -312,7 +393,7 @@ def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_befor
     if args.count(None) == len(args):
         nothing = [None] * len(args)
         cols["stream"] = cols["correlation"] = cols["external_id"] = nothing
-        return None, ts, dur, dropped
+        return None, ts, dur, foreign
     args = [a or _EMPTY_ARGS for a in args]
     cols["stream"], cols["correlation"], cols["external_id"], collective = (list(map(get, args)) for get in _ARG_FIELDS)
     unset = msgspec.UNSET
@@ -325,13 +406,12 @@ def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_befor
             p2p[n_before + i] = p2p_args(name[i], _raw_value(a.concrete), None, None)
         else:
             p2p[n_before + i] = p2p_args(name[i], None, _raw_value(a.input_dims), _raw_value(a.input_type))
-    return None, ts, dur, dropped
+    return None, ts, dur, foreign
 
 
 def _struct_x_index(events: list) -> list:
     """Positions in the slice of the X events :func:`_extract_structs` keeps."""
-    return [i for i, e in enumerate(events) if e.ph == "X" and type(e.pid) is int and type(e.tid) is int
-            and type(e.ts) in (int, float)]
+    return [i for i, e in enumerate(events) if e.ph == "X" and type(e.pid) is int and type(e.tid) is int]
 
 
 def _name_thread(threads: dict, tid, name) -> None:

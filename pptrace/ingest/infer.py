@@ -49,7 +49,7 @@ from pandas.api.types import union_categoricals
 from .intervals import union
 from .schema import tags_of
 from ..topology import Layout
-from ..vocab import BWD, FWD, GPIPE, INTERLEAVED, LAYOUT_ORDERS, ONE_F_ONE_B, OP_OF_ACTION
+from ..vocab import BWD, DIRECTION_OF, FWD, GPIPE, INTERLEAVED, LAYOUT_ORDERS, ONE_F_ONE_B, OP_OF_ACTION, PASS_OPS
 
 _PASS = re.compile(r"^PP:(\d+)([FBIW])(\d+)$")
 _PP_P2P = re.compile(r"^PP:(\d+)(SEND|RECV)_([FB])(\d+)$")
@@ -199,7 +199,7 @@ def _process_groups(metas: dict) -> dict:
     return out
 
 
-def _dim_groups(metas: dict) -> dict:
+def dim_groups(metas: dict) -> dict:
     """dim -> {rank: ranks of its group along dim} for groups pg_config names (pp, tp, cp)."""
     out: dict = {}
     for rank, groups in _process_groups(metas).items():
@@ -278,7 +278,7 @@ def _p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
 def _global_peers(rank: np.ndarray, group_peer: np.ndarray, metas: dict) -> np.ndarray:
     """Group ranks -> global ranks through each rank's pipeline group (pg_config), else the
     default group (the identity); -1 where unknown."""
-    pp_groups = _dim_groups(metas).get("pp", {})
+    pp_groups = dim_groups(metas).get("pp", {})
     out = group_peer.copy()
     for r in np.unique(rank):
         ranks = pp_groups.get(int(r))
@@ -300,7 +300,7 @@ def _pipeline(rows: pd.DataFrame, ops: pd.DataFrame, metas: dict, out: Inference
     if len(named):
         per_rank = named.groupby("rank")["stage"].agg(["min", "nunique"])
         v = int(per_rank["nunique"].max())
-    groups = _dim_groups(metas).get("pp", {})
+    groups = dim_groups(metas).get("pp", {})
     if groups and len({len(g) for g in groups.values()}) == 1 and len(next(iter(groups.values()))) > 1:
         stage_of = {r: g.index(r) for r, g in groups.items()}
         pp = len(next(iter(groups.values())))
@@ -357,7 +357,7 @@ def _layout(stage_of: dict, pp: int, world: int, metas: dict, out: Inference) ->
     """The Layout whose pp coordinate of every rank is its stage (and whose tp / cp groups
     are pg_config's where it names them); a stage order no Megatron-style layout has is
     reported, not forced."""
-    groups = _dim_groups(metas)
+    groups = dim_groups(metas)
     sizes = {d: len(next(iter(groups[d].values()))) for d in ("tp", "cp") if groups.get(d)}
     tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
     if world % (pp * tp * cp):
@@ -663,26 +663,37 @@ def _schedule(rows: pd.DataFrame, passes: pd.DataFrame, stage_of, pp, v: int, ou
     if v > 1:
         source = "the PP: stage ids" if how and "PP:" in how else how
         out.inferred["vpp"] = f"{v} model chunks per rank, from {source}"
-    fwd = passes[passes["op"] == "fwd"]
-    if len(fwd):
-        out.microbatches = int(fwd.groupby(["rank", "step"])["mb"].nunique().max())
+    m = microbatches_of(passes)
+    if m is not None:
+        out.microbatches = m
         out.inferred["microbatches"] = f"{out.microbatches}: distinct microbatches of a rank's forwards in a step"
     return passes
 
 
-def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict):
+def microbatches_of(passes: pd.DataFrame) -> int | None:
+    """The most distinct microbatches of one rank's forwards in one step (None: no forward
+    carries one; an untagged one is null or -1)."""
+    fwd = passes[(passes["op"] == FWD).to_numpy() & (passes["mb"].astype("Int64").fillna(-1) >= 0).to_numpy()]
+    return int(fwd.groupby(["rank", "step"])["mb"].nunique().max()) if len(fwd) else None
+
+
+def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict, candidates=None):
     """Schedules that name nothing: the first of 1F1B, GPipe and Megatron's interleaved
-    (v = 2..4) whose table (pptrace.whatif.schedules) has every rank's order of forwards and
-    backwards in every step -> (name, v, passes with that table's mb and chunk), or None."""
+    (v = 2..4) (or of ``candidates``, (name, v) pairs) whose table (pptrace.whatif.schedules)
+    has every rank's order of forwards and backwards in every step -> (name, v, passes with
+    that table's mb and chunk), or None."""
     from ..whatif.schedules import schedule_table
 
     order = passes.sort_values(["rank", "step", "start_ns"], kind="stable").reset_index(drop=True)
     groups = {k: g.index.to_numpy() for k, g in order.groupby(["rank", "step"])}
     seqs = {k: "".join("F" if o == "fwd" else "B" for o in order.loc[idx, "op"]) for k, idx in groups.items()}
     n_f = max(seq.count("F") for seq in seqs.values())
-    candidates = [(ONE_F_ONE_B, 1), (GPIPE, 1)]
-    candidates += [(INTERLEAVED, v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
+    if candidates is None:
+        candidates = [(ONE_F_ONE_B, 1), (GPIPE, 1)]
+        candidates += [(INTERLEAVED, v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
     for name, v in candidates:
+        if n_f % v:
+            continue
         m = n_f // v
         try:
             tables = {r: schedule_table(name, pp, stage_of[r], m, v) for r, _ in seqs if r in stage_of}
@@ -873,4 +884,75 @@ def _append(events: pd.DataFrame, new: dict) -> pd.DataFrame:
     return pd.DataFrame(cols, columns=events.columns)
 
 
-__all__ = ["Inference", "infer_run", "is_plain", "NO_PEERS_HINT"]
+# -------------------------------------------------------------------------------------------
+# evidence: what the traces show of the pipeline, to check a pptrace block's claims against
+# (pptrace.ingest.run); the same inference as for plain traces, fed the contract ranges
+# -------------------------------------------------------------------------------------------
+#: torch.distributed.pipelining's schedule classes (ScheduleGPipe ... _PipelineScheduleRuntime,
+#: and subclasses named like them): their order is replayed as recorded or measured, so
+#: pptrace knows them without a table
+TORCH_SCHEDULE_PREFIX = ("Schedule", "PipelineSchedule", "_PipelineSchedule")
+
+
+def passes_of(events: pd.DataFrame) -> pd.DataFrame:
+    """Every pass on the host in a profiled step (contract or inferred ``compute:<op>``
+    rows): rank, step, start_ns, op, mb and chunk (-1 where untagged)."""
+    sel = events[(events["category"] == "compute").to_numpy() & (events["lane_kind"] == "host").to_numpy()
+                 & ~events["gpu_annotation"].to_numpy() & events["op"].isin(list(PASS_OPS)).to_numpy()
+                 & (events["step"].to_numpy() >= 0)]
+    return pd.DataFrame({
+        "rank": sel["rank"].to_numpy(np.int64), "step": sel["step"].to_numpy(np.int64),
+        "start_ns": sel["start_ns"].to_numpy(np.int64), "op": sel["op"].astype(str).to_numpy(object),
+        "mb": sel["mb"].astype("Int64").fillna(-1).to_numpy(np.int64),
+        "chunk": sel["chunk"].astype("Int64").fillna(-1).to_numpy(np.int64),
+    })
+
+
+def chunks_of(passes: pd.DataFrame) -> int | None:
+    """Model chunks per rank: the most distinct chunk tags of one rank's forwards, else (no
+    chunk tags) how many times a rank's step runs each microbatch forward; None: no forward."""
+    fwd = passes[(passes["op"] == FWD).to_numpy() & (passes["mb"] >= 0).to_numpy()]
+    if fwd.empty:
+        return None
+    if (fwd["chunk"] >= 0).any():
+        return int(fwd[fwd["chunk"] >= 0].groupby("rank")["chunk"].nunique().max())
+    per_step = fwd.groupby(["rank", "step"])["mb"].agg(["size", "nunique"])
+    return int((per_step["size"] // per_step["nunique"]).max())
+
+
+def schedule_fits(passes: pd.DataFrame, pp: int, stage_of: dict, candidates=None):
+    """(name, v) of the first schedule (of ``candidates``, else 1F1B, GPipe, interleaved
+    v=2..4) whose table has every rank's order of forwards and backwards, or None (also
+    when the passes are not plain forwards and backwards: split backwards have no such
+    order)."""
+    if passes.empty or not passes["op"].isin([FWD, BWD]).all() or pp < 2:
+        return None
+    found = _order_schedule(passes[passes["rank"].isin(list(stage_of))], pp, stage_of, candidates)
+    return None if found is None else found[:2]
+
+
+def p2p_chain(events: pd.DataFrame, metas: dict, world: int):
+    """The layout the run's own p2p ranges (peer tags) and pg_config show -> (Layout or
+    None, how it was found; None when they show no pipeline). Peers of inferred rows are
+    left out: their direction came from a layout already."""
+    sel = events[(events["category"] == "p2p").to_numpy() & (events["lane_kind"] == "host").to_numpy()
+                 & ~events["gpu_annotation"].to_numpy() & ~events["inferred"].to_numpy()
+                 & events["op"].isin(list(DIRECTION_OF)).to_numpy() & events["peer"].notna().to_numpy()
+                 & (events["step"].to_numpy() >= 0)]
+    op = sel["op"].astype(str)
+    ops = pd.DataFrame({
+        "rank": sel["rank"].to_numpy(np.int64), "step": sel["step"].to_numpy(np.int64),
+        "start_ns": sel["start_ns"].to_numpy(np.int64), "peer": sel["peer"].to_numpy(np.int64),
+        "is_send": op.str.startswith("send").to_numpy(bool), "dir": op.map(DIRECTION_OF).to_numpy(object),
+    })
+    out = Inference(events=events)
+    no_names = pd.DataFrame({"kind": pd.Series(dtype=object), "rank": pd.Series(dtype=np.int64),
+                             "stage": pd.Series(dtype=np.int64)})
+    stage_of, pp, _ = _pipeline(no_names, ops, metas, out)
+    if not pp or pp < 2:
+        return None, None
+    return _layout(stage_of, pp, world, metas, out), out.inferred.get("layout")
+
+
+__all__ = ["Inference", "infer_run", "is_plain", "NO_PEERS_HINT", "dim_groups", "microbatches_of", "passes_of",
+           "chunks_of", "schedule_fits", "p2p_chain", "TORCH_SCHEDULE_PREFIX"]

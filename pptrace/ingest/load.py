@@ -20,15 +20,17 @@ import gzip
 import json
 import os
 import re
-import sys
+import stat
 import zlib
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import orjson
 
 from ..errors import TraceError
+from ..progress import LOAD, phase
 from .frame import build_frame
 from .schema import RawEvent
 
@@ -43,16 +45,67 @@ _TRACE_SUFFIXES = (".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
-def _read_bytes(path: Path) -> bytes:
+_BOM = b"\xef\xbb\xbf"
+#: Deeper values than this are replaced by null before decoding: real traces nest a few
+#: levels (Input Dims is a list of lists), and the decoders recurse per level (msgspec
+#: stops at the interpreter's limit; orjson 3.8 does not stop and overflows the C stack).
+_MAX_DEPTH = 64
+_SKIP_DECODER = msgspec.json.Decoder(msgspec.Raw)
+_FILE_KINDS = (
+    (stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "is a socket"), (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),
+)
+
+
+def _not_regular(path, mode: int) -> TraceError:
+    kind = next((what for test, what in _FILE_KINDS if test(mode)), "is not a regular file")
+    return TraceError(
+        f"{path}: {kind}, not a trace file; pptrace reads regular files only (a symlink to one is "
+        "fine): move it out of the traces directory"
+    )
+
+
+def open_trace(path):
+    """(binary file object, its os.stat_result) of a trace, refusing anything but a regular
+    file (or a symlink to one): a FIFO named rank2.json would block the read forever, a
+    device never ends. The stat is the opened file's, so it describes the bytes read even
+    if the path is replaced meanwhile."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except IsADirectoryError:
-        raise TraceError(f"{path}: is a directory, not a trace file") from None
+        # stat first: merely opening some devices has effects; O_NONBLOCK: a FIFO swapped in
+        # between the two calls opens at once (and is refused below) instead of blocking.
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except OSError as exc:
         raise TraceError(
             f"cannot read {path}: {exc.strerror or exc}; check that the file exists and is readable"
         ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_regular(path, st.st_mode)
+    return os.fdopen(fd, "rb"), st
+
+
+def _strip_bom(data: bytes) -> bytes:
+    # Windows editors and PowerShell put one in front of the JSON they save; JSON parsers reject it.
+    return data[len(_BOM):] if data.startswith(_BOM) else data
+
+
+def _read_trace(path: Path):
+    """(decompressed bytes, stat of the file read, its raw bytes' cache probe)."""
+    fh, st = open_trace(path)
+    try:
+        with fh:
+            data = fh.read()
+    except OSError as exc:
+        raise TraceError(
+            f"cannot read {path}: {exc.strerror or exc}; check that the file exists and is readable"
+        ) from None
+    from .store import probe_of
+
+    probe = probe_of(data) if len(data) == st.st_size else None  # shorter/longer: written meanwhile
     if data[:2] == b"\x1f\x8b":
         try:
             data = gzip.decompress(data)
@@ -60,21 +113,84 @@ def _read_bytes(path: Path) -> bytes:
             raise TraceError(
                 f"{path}: corrupt or truncated gzip ({exc}); re-copy the file or re-run the profiler"
             ) from None
+    data = _strip_bom(data)
     if not data.strip():
         raise TraceError(f"{path}: empty file; the rank probably died before writing its trace")
-    return data
+    return data, st, probe
 
 
-def _loads(blob: bytes, path: Path, warnings: list):
+def _read_bytes(path: Path) -> bytes:
+    return _read_trace(path)[0]
+
+
+def _too_deep(blob) -> bool:
+    """Whether ``blob`` nests deeper than the decoders can follow. msgspec skipping a value
+    builds nothing (7x faster than parsing it) and stops at the interpreter's recursion
+    limit; malformed input is left for the real parse to report."""
+    try:
+        _SKIP_DECODER.decode(blob)
+    except RecursionError:
+        return True
+    except msgspec.DecodeError:
+        pass
+    return False
+
+
+def _flatten_deep(blob: bytes, path, warnings: list) -> bytes | None:
+    """``blob`` with every value nested deeper than _MAX_DEPTH replaced by null (None when
+    none is): unused deep ``args`` cost their event nothing. Depth is counted over the
+    whole byte array, brackets inside strings (after an unescaped quote) excluded."""
+    a = np.frombuffer(blob, dtype=np.uint8)
+    index = np.arange(len(a), dtype=np.int64)
+    backslash = a == ord("\\")
+    last_plain = np.maximum.accumulate(np.where(backslash, -1, index))
+    # a quote after an odd run of backslashes is escaped
+    run = index - 1 - np.concatenate(([-1], last_plain[:-1]))
+    quote = (a == ord('"')) & (run % 2 == 0)
+    del index, last_plain, run, backslash
+    outside = np.cumsum(quote, dtype=np.int64) % 2 == 0
+    opens = ((a == ord("{")) | (a == ord("["))) & outside
+    closes = ((a == ord("}")) | (a == ord("]"))) & outside
+    after = np.cumsum(opens.astype(np.int32) - closes.astype(np.int32), dtype=np.int32)
+    before = after - opens + closes
+    # from the bracket that opens level _MAX_DEPTH + 1 to the one that closes it
+    deep = (after > _MAX_DEPTH) | (before > _MAX_DEPTH)
+    del after, before, opens, closes, outside
+    edges = np.diff(np.concatenate(([0], deep.view(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if not len(starts):
+        return None
+    warnings.append(
+        f"{path}: {len(starts)} value(s) nested more than {_MAX_DEPTH} levels deep replaced by null "
+        "(pptrace reads a few levels of event args)"
+    )
+    keep_from, keep_to = np.concatenate(([0], ends)), np.concatenate((starts, [len(a)]))
+    return b"null".join(blob[i:j] for i, j in zip(keep_from.tolist(), keep_to.tolist()))
+
+
+def _orjson(blob):
+    """orjson.loads, refusing (JSONDecodeError) what nests too deep for it."""
+    if _too_deep(blob):
+        raise orjson.JSONDecodeError(f"nested more than {_MAX_DEPTH} levels deep", "", 0)
+    return orjson.loads(blob)
+
+
+def _loads(blob: bytes, path: Path, warnings: list, fixes=("deep", "utf8")):
     """orjson, with the slow fallbacks that real traces need: ints beyond 64 bits (json
-    keeps them as Python ints) and invalid UTF-8 (replaced, with a warning)."""
+    keeps them as Python ints), invalid UTF-8 (replaced, with a warning) and values nested
+    too deep (replaced by null, with a warning)."""
+    if "deep" in fixes and _too_deep(blob):
+        flat = _flatten_deep(blob, path, warnings)
+        rest = tuple(f for f in fixes if f != "deep")
+        return _loads(flat if flat is not None else blob, path, warnings, rest)
     try:
         return orjson.loads(blob)
     except orjson.JSONDecodeError as exc:
         message = str(exc)
-    if "UTF-8" in message or "utf-8" in message:
+    if "utf8" in fixes and ("UTF-8" in message or "utf-8" in message):
         warnings.append(f"{path}: invalid UTF-8 in the trace; bad bytes replaced by U+FFFD")
-        return _loads(blob.decode("utf-8", "replace").encode("utf-8"), path, [])
+        fixed = blob.decode("utf-8", "replace").encode("utf-8")
+        return _loads(fixed, path, warnings, tuple(f for f in fixes if f != "utf8"))
     try:
         return json.loads(blob)
     except (ValueError, RecursionError):
@@ -109,7 +225,7 @@ def _locate_events(data: bytes):
             continue
         head = data[:start] + b"[]" + data[end + 1:]
         try:
-            orjson.loads(head)
+            _orjson(head)
             return head, start + 1, end
         except orjson.JSONDecodeError:
             tries += 1
@@ -140,6 +256,10 @@ def _decode_slice(decoder, blob: bytes, path: Path, warnings: list) -> list:
             return decoder.decode(blob)
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
+        except RecursionError:
+            flat = _flatten_deep(blob, path, warnings)
+            if flat is not None:
+                return _decode_slice(decoder, flat, path, warnings)
     return _loads(blob, path, warnings)
 
 
@@ -189,8 +309,7 @@ def parse_document(path, data: bytes | None = None, whole: bool = False, typed: 
     """
     path = Path(path)
     warnings: list = []
-    if data is None:
-        data = _read_bytes(path)
+    data = _read_bytes(path) if data is None else _strip_bom(data)
     located = None if whole else _locate_events(data)
     if located is not None:
         head_bytes, start, end = located
@@ -229,7 +348,7 @@ def _normalize_header(header: dict, path: Path) -> dict:
     block = header.get("pptrace")
     if isinstance(block, str):  # add_metadata_json may leave the value as a string
         try:
-            block = orjson.loads(block)
+            block = _orjson(block)
         except orjson.JSONDecodeError:
             block = None
     header = dict(header)
@@ -245,9 +364,10 @@ def _head_and_tail(path: Path) -> bytes | None:
     :func:`_locate_events` needs to see the metadata on both sides of ``traceEvents``
     (pptrace's own traces carry the pptrace block before the events; Kineto writes its
     top-level metadata after them). The events between are streamed past, never parsed."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as fh:
-        head = fh.read(_HEADER_PEEK)
+    raw, _ = open_trace(path)
+    with raw:
+        fh = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == b"\x1f\x8b" else raw
+        head = _strip_bom(fh.read(_HEADER_PEEK))
         tail = fh.read(_HEADER_PEEK)
         if len(tail) < _HEADER_PEEK:
             return head + tail
@@ -273,16 +393,34 @@ def read_header(path) -> dict:
         ends = _head_and_tail(path)
     except (OSError, EOFError, zlib.error):
         ends = None
+    header = None
     located = _locate_events(ends) if ends else None
     if located is not None and located[2] is not None:
         try:
-            header = orjson.loads(located[0])
-            if isinstance(header, dict):
-                return _normalize_header(header, path)
+            header = _orjson(located[0])
         except orjson.JSONDecodeError:
             pass
-    header, _, _ = parse_document(path)  # odd layouts, truncated or corrupt files
+    if not isinstance(header, dict):
+        header, _, _ = parse_document(path)  # odd layouts, truncated or corrupt files
+    writer = _pptrace_output(header)
+    if writer is not None:
+        raise TraceError(
+            f"{path}: written by `{writer}`, not one rank's trace; keep pptrace's outputs outside "
+            "the traces directory"
+        )
     return _normalize_header(header, path)
+
+
+def _pptrace_output(header: dict) -> str | None:
+    """The pptrace command that wrote this trace when it is pptrace's own output (the
+    metadata export/perfetto.py and whatif/predict.py write), else None: a merged trace or
+    a simulated one in a traces directory is not one more rank."""
+    other = header.get("otherData")
+    if isinstance(other, dict) and isinstance(other.get("pptrace"), dict) and "pptrace" not in header:
+        return "pptrace merge"
+    if isinstance(header.get("pptrace_whatif"), dict):
+        return "pptrace whatif --trace"
+    return None
 
 
 def rank_of(header: dict, path) -> int | None:
@@ -306,7 +444,7 @@ def find_trace_files(run_dir) -> list[Path]:
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise TraceError(f"{run_dir}: no such file or directory; give a run directory or a trace file")
-    if run_dir.is_file():
+    if not run_dir.is_dir():  # one file; read_header refuses it if it is no regular file
         return [run_dir]
     trace_dir = run_dir / "traces" if (run_dir / "traces").is_dir() else run_dir
     try:
@@ -329,16 +467,37 @@ def _base_ns(header: dict) -> int:
     return base
 
 
-def load_rank(path, rank: int | None = None, *, typed: bool = True):
+def load_rank(path, rank: int | None = None, *, typed: bool = True, with_key: bool = False):
     """Parse one rank's trace -> (events DataFrame in the schema.py columns, meta dict).
 
     ``meta`` holds: path, rank, world_size, base_ns, pptrace (the block or None),
     distributed (distributedInfo or None), hostname, threads {tid: name}, profiler_steps,
     n_events, warnings (list of strings). Raises TraceError for files that are not traces.
     ``typed=False`` parses every event into a dict (the slow reference for the tests).
+    ``with_key``: also return the cache key of the bytes parsed (see _load_rank).
     """
+    frame, meta, key = _load_rank(path, rank, typed=typed)
+    return (frame, meta, key) if with_key else (frame, meta)
+
+
+def _unchanged(path: Path, opened: os.stat_result) -> bool:
+    """Whether ``path`` still names the file opened as ``opened``, as it was: not replaced
+    (another inode) nor written (size, mtime, and ctime, which ``touch -r`` cannot set back)."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    fields = ("st_ino", "st_dev", "st_size", "st_mtime_ns", "st_ctime_ns")
+    return all(getattr(now, f) == getattr(opened, f) for f in fields)
+
+
+def _load_rank(path, rank: int | None = None, *, typed: bool = True):
+    """load_rank, plus the cache key of the bytes parsed: None when the file changed while
+    it was read, so that no entry ever holds one version's table under another's key."""
+    from .store import key_of
+
     path = Path(path)
-    data = _read_bytes(path)
+    data, opened, probe = _read_trace(path)
     header, slices, warnings = parse_document(path, data, typed=typed)
     header = _normalize_header(header, path)
     base = _base_ns(header)
@@ -370,7 +529,13 @@ def load_rank(path, rank: int | None = None, *, typed: bool = True):
         **info,
         "warnings": warnings,
     }
-    return frame, meta
+    if probe is not None and _unchanged(path, opened):
+        return frame, meta, key_of(opened, probe)
+    warnings.append(
+        f"{path}: changed while pptrace read it; these results are of the version read (not "
+        "cached): run again for the current one"
+    )
+    return frame, meta, None
 
 
 # -------------------------------------------------------------------------------------------
@@ -396,16 +561,16 @@ def _parse_job(path: str, rank: int | None, use_cache: bool):
     from .columnar import StoredTable, to_arrow
 
     try:
-        frame, meta = load_rank(path, rank)
+        frame, meta, key = load_rank(path, rank, with_key=True)
     except TraceError as exc:
         return None, None, str(exc)
-    except (ValueError, TypeError, KeyError, OverflowError, MemoryError) as exc:
+    except (ValueError, TypeError, KeyError, OverflowError, MemoryError, RecursionError) as exc:
         # Data this loader did not foresee: lose this rank, keep the others.
         return None, None, f"{path}: could not be loaded ({type(exc).__name__}: {exc}); please report this trace"
     table = to_arrow(frame)
     del frame
-    if use_cache:
-        written = cache.write(path, table, meta)
+    if use_cache and key is not None:
+        written = cache.write(path, table, meta, key)
         if written is not None:
             return StoredTable(table.num_rows, path=written), meta, None
     return StoredTable.pack(table), meta, None
@@ -429,20 +594,6 @@ def _worker_count(workers: int | None, sizes: list) -> int:
     return max(1, min(os.cpu_count() or 1, len(sizes), fits))
 
 
-def _progress(enabled, total: int):
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled or total < 2:
-        return None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    return Progress(
-        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-    )
-
-
 def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, progress=None):
     """Load many traces -> (list of (StoredTable, meta) in job order, errors).
 
@@ -458,6 +609,9 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
     results: list = [None] * len(jobs)
     errors: list[str] = []
     todo = []
+    if use_cache:
+        for directory in {cache.cache_path(path).parent for path, _ in jobs}:
+            cache.remove_stale_tmp(directory)
     for i, (path, rank) in enumerate(jobs):
         hit = cache.lookup(path) if use_cache else None
         if hit is not None:
@@ -468,7 +622,8 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
         return results, errors
     sizes = [os.path.getsize(jobs[i][0]) if os.path.exists(jobs[i][0]) else 0 for i in todo]
     n_workers = _worker_count(workers, sizes)
-    bar = _progress(progress, len(todo))
+    cached = len(jobs) - len(todo)
+    shown = phase(f"{LOAD} ({cached} from cache)" if cached else LOAD, total=len(todo), enabled=progress)
 
     def collect(i, outcome):
         stored, meta, error = outcome
@@ -477,10 +632,8 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
         else:
             results[i] = (stored, meta)
 
+    bar = shown.__enter__()
     try:
-        task = bar.add_task("loading traces", total=len(todo)) if bar else None
-        if bar:
-            bar.start()
         if n_workers > 1:
             with ProcessPoolExecutor(max_workers=n_workers) as pool:
                 futures = {pool.submit(_parse_job, str(jobs[i][0]), jobs[i][1], use_cache): i for i in todo}
@@ -490,14 +643,11 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
                     except Exception as exc:  # a worker died (out of memory, killed)
                         outcome = (None, None, f"{jobs[futures[future]][0]}: worker failed ({type(exc).__name__}: {exc})")
                     collect(futures[future], outcome)
-                    if bar:
-                        bar.advance(task)
+                    bar.advance()
         else:
             for i in todo:
                 collect(i, _parse_job(str(jobs[i][0]), jobs[i][1], use_cache))
-                if bar:
-                    bar.advance(task)
+                bar.advance()
     finally:
-        if bar:
-            bar.stop()
+        shown.__exit__(None, None, None)
     return results, errors

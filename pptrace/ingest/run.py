@@ -11,19 +11,25 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from . import align, infer, match, windows
 from .activity import rank_activity
 from ..errors import TraceError
+from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
 from .columnar import frame_from_tables
 from .load import find_trace_files, load_ranks, rank_of, read_header
 from ..topology import Layout
+from ..vocab import DIRECTION_OF, GPIPE, INTERLEAVED, ONE_F_ONE_B, SCHEDULES, canonical
 from .windows import profiled_steps
 
 #: Ranks of one run start their profiled window within seconds of each other; traces whose
 #: first events lie further apart than this come from different runs.
 MAX_START_SPREAD_NS = 600 * 10**9
+#: No training run has had this many ranks: a rank or world size at or above it in a trace's
+#: metadata or file name is corrupt, and believing it would build ranges of that size.
+MAX_RANKS = 1 << 18
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +60,8 @@ class Run:
     #: each: keys among layout, peers, p2p, passes, schedule, microbatches, vpp; {} when
     #: the traces said it all (pptrace.ingest.infer)
     inferred: dict = field(default_factory=dict)
+    #: the ranks the caller asked for (load_run's ``ranks``); None: all of the run's
+    requested: tuple | None = None
 
     def __post_init__(self):
         missing = {"rank", "lane_kind", "start_ns", "end_ns", "category"} - set(self.events.columns)
@@ -64,6 +72,8 @@ class Run:
         # lists and other sequences given by callers become tuples: a frozen run stays frozen
         for name in ("ranks", "steps", "warnings"):
             object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+        if self.requested is not None:
+            object.__setattr__(self, "requested", tuple(int(r) for r in self.requested))
 
     @classmethod
     def from_events(cls, events: pd.DataFrame, layout: Layout, **kwargs) -> "Run":
@@ -88,6 +98,14 @@ class Run:
     @property
     def v(self) -> int:
         return int(self.vpp or 1)
+
+    @cached_property
+    def missing_ranks(self) -> tuple:
+        """Ranks of the layout (of those requested, when some were) without a loaded trace."""
+        world = self.layout.world_size
+        wanted = np.arange(world) if self.requested is None else np.asarray(self.requested, dtype=np.int64)
+        wanted = wanted[(wanted >= 0) & (wanted < world)]
+        return tuple(int(r) for r in np.setdiff1d(wanted, np.asarray(self.ranks, dtype=np.int64)))
 
     def describe(self, rank: int) -> str:
         if rank < self.layout.world_size:
@@ -121,14 +139,15 @@ class Run:
     def pipeline_actions(self) -> dict:
         """rank -> its recorded action order [(op, global stage, mb)] (integrations)."""
         return {r: b["pipeline_actions"] for r, b in self._blocks().items()
-                if isinstance(b.get("pipeline_actions"), list)}
+                if isinstance(b.get("pipeline_actions"), list) and all(map(_is_action, b["pipeline_actions"]))}
 
     @cached_property
     def stage_ranks(self) -> tuple | None:
         """global stage -> global rank, when an integration recorded it."""
         for _, block in sorted(self._blocks().items()):
-            if isinstance(block.get("stage_ranks"), list):
-                return tuple(int(r) for r in block["stage_ranks"])
+            ranks = block.get("stage_ranks")
+            if isinstance(ranks, list) and all(map(_is_index, ranks)):
+                return tuple(ranks)
         return None
 
     @cached_property
@@ -180,13 +199,32 @@ def _headers(files, warnings):
         except TraceError as exc:
             warnings.append(f"skipped: {exc}")
             continue
-        found.append((path, header, rank_of(header, path)))
+        rank = _believable_rank(header, path, warnings)
+        if rank is not False:
+            found.append((path, header, rank))
     if not found:
         raise TraceError(
             f"no readable trace among {len(files)} file(s) in {Path(files[0]).parent}: "
             + "; ".join(w.removeprefix("skipped: ") for w in warnings[:2])
         )
     return found
+
+
+def _believable_rank(header, path, warnings):
+    """rank_of, where a rank of MAX_RANKS or more is not believed: the next source (pptrace
+    block, distributedInfo, file name) that names a smaller one, else False (skip the file)."""
+    rank = rank_of(header, path)
+    if rank is None or rank < MAX_RANKS:
+        return rank
+    for ignored in ({"pptrace": None}, {"pptrace": None, "distributedInfo": None}):
+        other = rank_of({**header, **ignored}, path)
+        if other is not None and other < MAX_RANKS:
+            warnings.append(f"{path}: rank {rank} in its metadata is beyond any run ({MAX_RANKS} ranks at most); "
+                            f"using rank {other} from its {'file name' if len(ignored) == 2 else 'distributedInfo'}")
+            return other
+    warnings.append(f"skipped: {path}: rank {rank} is beyond any run ({MAX_RANKS} ranks at most) and nothing "
+                    "else in it names its rank; rename it rank<N>.json.gz")
+    return False
 
 
 def _assign_ranks(found, warnings):
@@ -210,6 +248,18 @@ def _assign_ranks(found, warnings):
     return by_rank
 
 
+def _shape(layout: Layout) -> str:
+    return f"tp{layout.tp} cp{layout.cp} pp{layout.pp} dp{layout.dp}"
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _layout_of(by_rank, layout, warnings):
     blocks = {r: h.get("pptrace") for r, (_, h) in by_rank.items() if h.get("pptrace")}
     layouts = {}
@@ -230,33 +280,112 @@ def _layout_of(by_rank, layout, warnings):
             "run per directory"
         )
     if layout is not None:
-        return layout
-    if blocks:
+        return layout, None
+    block = next(iter(blocks.values()), None)
+    claimed = None
+    if block is not None:
         try:
-            return Layout.from_dict(next(iter(blocks.values())).get("layout") or {})
+            claimed = Layout.from_dict(block.get("layout") or {})
         except ValueError as exc:
             warnings.append(f"pptrace block has a bad layout ({exc}); assuming data parallel only")
-    world = next(iter(worlds)) if worlds else max(by_rank) + 1
-    return Layout(dp=max(int(world), max(by_rank) + 1))
+    # how the layout came about, as the warning of a contradiction (_check_layout) says it
+    said = "the pptrace block says layout {}" if claimed is not None else "with no layout in the traces, {} was assumed"
+    return _believed_layout(claimed, block, worlds, by_rank, warnings), said
+
+
+def _believed_layout(claimed, block, worlds, by_rank, warnings):
+    """The world the metadata claims, checked against the trace files: a claim below the
+    highest rank present, or of MAX_RANKS or more, is not believed (one warning each) and
+    the files' world is used. The claimed tp/cp/pp stand where they divide the world."""
+    top = max(by_rank) + 1  # the smallest world that holds every trace here
+    claims = []
+    if claimed is not None:
+        claims.append((f"the pptrace block's layout {_shape(claimed)}", claimed.world_size))
+    if block is not None and block.get("world_size") is not None:
+        claims.append(("the pptrace block's world_size", block["world_size"]))
+    if worlds:
+        claims.append(("distributedInfo's world_size", next(iter(worlds))))
+    believed = [(what, w) for what, w in claims if _is_count(w) and top <= w < MAX_RANKS]
+    world = believed[0][1] if believed else top
+    for what, w in claims:
+        if not _is_count(w):
+            warnings.append(f"{what} is {w!r}, not a rank count; using world size {world}")
+        elif w >= MAX_RANKS:
+            warnings.append(f"{what} says {w} ranks, beyond any run ({MAX_RANKS} at most; {len(by_rank)} trace "
+                            f"files here); using world size {world}")
+        elif w < top:
+            warnings.append(f"{what} says {w} ranks, but the trace of rank {top - 1} is here ({len(by_rank)} "
+                            f"trace files); using world size {world}")
+        elif w != world:
+            warnings.append(f"{what} says {w} ranks, but {believed[0][0]} says {world}; using {world}")
+    if claimed is not None and claimed.world_size == world:
+        return claimed
+    if claimed is not None and world % (claimed.tp * claimed.cp * claimed.pp) == 0:
+        return Layout(tp=claimed.tp, cp=claimed.cp, pp=claimed.pp,
+                      dp=world // (claimed.tp * claimed.cp * claimed.pp), order=claimed.order)
+    return Layout(dp=world)
+
+
+def _is_action(action) -> bool:
+    """[op, global stage, mb] as the integrations record it."""
+    return (isinstance(action, (list, tuple)) and len(action) == 3 and isinstance(action[0], str)
+            and _is_index(action[1]) and _is_index(action[2]))
 
 
 def _common(meta_field, metas):
-    values = {m.get("pptrace", {}).get(meta_field) if m.get("pptrace") else None for m in metas.values()}
-    values.discard(None)
-    return values.pop() if len(values) == 1 else None
+    """The value every block that has ``meta_field`` gives it (None if they differ); a value
+    that is no number or name (a list, a dict) is passed on for _cross_check to refuse."""
+    values = [m["pptrace"].get(meta_field) for m in metas.values() if isinstance(m.get("pptrace"), dict)]
+    values = [v for v in values if v is not None]
+    return values[0] if values and all(v == values[0] for v in values) else None
 
 
-def _check_steps(metas, warnings):
+def _check_steps(metas, warnings, path):
+    """The profiled steps cross-rank results cover (those every rank profiled) and whether
+    ranks differ; no common step at all is refused: no cross-rank number would mean anything."""
     per_rank = {r: tuple(m.get("profiler_steps") or ()) for r, m in metas.items()}
     distinct = set(per_rank.values())
+    if distinct == {()} and any(m.get("dropped_steps") for m in metas.values()):
+        # not a trace without prof.step(): its ProfilerStep ranges had impossible values
+        lost = next(m for m in metas.values() if m.get("dropped_steps"))
+        raise TraceError(
+            f"{path}: no profiled step left: every ProfilerStep range had an impossible timestamp or duration "
+            f"({lost['path']}: {lost['dropped_steps']} dropped); the traces are corrupt, re-profile the run"
+        )
     if len(distinct) <= 1:
-        return list(next(iter(distinct), ()))
+        return list(next(iter(distinct), ())), False
     common = sorted(set.intersection(*(set(s) for s in per_rank.values())))
-    detail = ", ".join(f"rank {r}: {list(s)}" for r, s in sorted(per_rank.items())[:6])
+    odd = sorted(per_rank.items(), key=lambda item: (item[1] == max(distinct, key=len), item[0]))
+    detail = ", ".join(f"rank {r}: {list(s) or 'none'}" for r, s in odd[:6])
+    if not common:
+        # a rank left without steps most likely lost its ProfilerStep ranges to bad values
+        dropped = [w for r, s in odd if not s for w in metas[r].get("warnings") or () if "dropped" in w]
+        raise TraceError(
+            f"{path}: no profiled step is common to all ranks ({detail}); cross-rank results need one: "
+            "choose ranks that profiled the same steps with --ranks"
+            + (f" ({dropped[0].split('; the other')[0]})" if dropped else "")
+        )
     warnings.append(
         f"ranks profiled different steps ({detail}); cross-rank results use the common steps {common}"
     )
-    return common
+    return common, True
+
+
+def _not_profiled(absent, run_steps, metas) -> str:
+    """The line for requested steps that are not among the run's common steps."""
+    profiled = sorted(set().union(*(m.get("profiler_steps") or () for m in metas.values())))
+    never = [s for s in absent if s not in profiled]
+    partly = [s for s in absent if s in profiled]
+    said = []
+    if never:
+        plural = len(never) > 1
+        said.append(f"step{'s' * plural} {', '.join(map(str, never))} {'were' if plural else 'was'} not profiled "
+                    f"(profiled: {', '.join(map(str, profiled)) or 'none'})")
+    if partly:
+        plural = len(partly) > 1
+        said.append(f"step{'s' * plural} {', '.join(map(str, partly))} {'were' if plural else 'was'} not "
+                    f"profiled on every rank (on every rank: {', '.join(map(str, run_steps)) or 'none'})")
+    return "; ".join(said)
 
 
 def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=None,
@@ -264,14 +393,17 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     """Load, align and match a run directory (or one trace file).
 
     ``ranks``/``steps`` restrict what is loaded/kept; ``layout`` overrides the layout found
-    in the traces (plain torch.profiler traces have none); ``progress`` forces the rich
-    progress bar on/off (default: on when stderr is a terminal).
+    in the traces (plain torch.profiler traces have none); ``progress`` forces the display
+    of each phase on stderr on/off (default: ``pptrace.progress.wanted``).
     """
     path = Path(path)
     warnings: list[str] = []
     files = find_trace_files(path)
-    by_rank = _assign_ranks(_headers(files, warnings), warnings)
-    run_layout = _layout_of(by_rank, layout, warnings)
+    with phase(HEADERS, enabled=progress):
+        by_rank = _assign_ranks(_headers(files, warnings), warnings)
+    # a layout not given by the caller is checked against what the traces show (_cross_check)
+    run_layout, said = _layout_of(by_rank, layout, warnings)
+    wanted = None
     if ranks is not None:
         wanted = {int(r) for r in ranks}
         absent = sorted(wanted - set(by_rank))
@@ -293,7 +425,8 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     results = result = None
     if not metas:
         raise TraceError(f"{path}: no trace could be loaded; " + "; ".join(errors[:2]))
-    expected = set(range(run_layout.world_size)) if ranks is None else set(ranks) & set(range(run_layout.world_size))
+    world = run_layout.world_size
+    expected = set(range(world)) if wanted is None else {r for r in wanted if 0 <= r < world}
     missing = sorted(expected - set(metas))
     if missing:
         shown = missing if len(missing) <= 8 else [*missing[:8], "..."]
@@ -301,36 +434,56 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
             f"{len(missing)} of {run_layout.world_size} ranks have no usable trace (ranks {shown}); "
             "results cover the others only"
         )
-    events = frame_from_tables(tables)  # empties `tables`
+    with phase(ASSEMBLE, enabled=progress):
+        events = frame_from_tables(tables)  # empties `tables`
     _check_spread(events, metas)
-    run_steps = _check_steps(metas, warnings)
+    run_steps, differ = _check_steps(metas, warnings, path)
     if steps is not None:
         keep = {int(s) for s in steps}
-        events = events[events["step"].isin(keep).to_numpy()].reset_index(drop=True)
+        absent = sorted(keep - set(run_steps))
         run_steps = [s for s in run_steps if s in keep]
+        if absent:
+            said = _not_profiled(absent, run_steps, metas)
+            if not run_steps:
+                raise TraceError(f"{path}: {said}; choose --steps among those")
+            warnings.append(f"requested {said}")
+    if steps is not None or differ:
+        # only the steps results cover: a step some rank lacks would leave its peers' sends
+        # and collectives unmatched
+        events = events[events["step"].isin(run_steps).to_numpy()]
     events = events.reset_index(drop=True)
     # a layout the user gave, or a pptrace block's with a pipeline, stands; otherwise a plain
     # trace's pipeline may be inferred (infer.py)
     known = layout is not None or run_layout.pp > 1
-    return _finish(path, events, run_layout, metas, run_steps, warnings, layout_known=known)
+    with phase(ALIGN, enabled=progress):
+        return _finish(path, events, run_layout, metas, run_steps, warnings, layout_known=known,
+                       layout_said=said, requested=None if wanted is None else sorted(wanted))
 
 
 def _check_spread(events, metas):
+    """Traces whose events lie hours apart come from different runs. Each rank is placed by
+    the median of its events' starts, which a few corrupt timestamps cannot move, and the
+    rank furthest from the others is named."""
     if events.empty or len(metas) < 2:
         return
-    first = events.groupby("rank", observed=True)["start_ns"].min()
-    if first.max() - first.min() > MAX_START_SPREAD_NS:
-        early, late = int(first.idxmin()), int(first.idxmax())
-        gap = (first.max() - first.min()) / 3.6e12
+    mid = events.groupby("rank", observed=True)["start_ns"].median()
+    if mid.max() - mid.min() > MAX_START_SPREAD_NS:
+        off = (mid - mid.median()).abs()
+        whole_s = (off // 10**9).astype("int64")  # ties (two ranks): name the later one
+        odd = int(max(mid.index, key=lambda r: (whole_s[r], mid[r])))
+        ref = int(min(mid.index, key=lambda r: (whole_s[r], r)))
+        gap = abs(mid[odd] - mid[ref]) / 3.6e12
         raise TraceError(
-            f"traces from different runs: rank {late} ({metas[late]['path']}) starts {gap:.1f} h "
-            f"after rank {early}; keep one run's traces per directory"
+            f"traces from different runs: rank {odd} ({metas[odd]['path']}) ran {gap:.1f} h "
+            f"{'after' if mid[odd] > mid[ref] else 'before'} rank {ref}; keep one run's traces per directory"
         )
 
 
-def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = True) -> Run:
+def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = True,
+            layout_said: str | None = None, requested=None) -> Run:
     loaded = sorted(metas)
     given = {f: _common(f, metas) for f in ("schedule", "microbatches", "vpp")}
+    claimed = {f for f, value in given.items() if value is not None}  # what the pptrace block says
     found = infer.infer_run(events, metas, layout if layout_known else None)
     inferred = {}
     if found is not None:  # a plain trace: the pipeline and its work inferred (infer.py)
@@ -339,6 +492,9 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
         inferred = {k: v for k, v in found.inferred.items() if given.get(k) is None}
         for f in given:
             given[f] = given[f] if given[f] is not None else getattr(found, f)
+    layout, given, w_claims = _cross_check(events, layout, given, claimed, metas,
+                                           None if found is not None else layout_said)
+    warnings = [*warnings, *w_claims]
     schedule, microbatches, vpp = given["schedule"], given["microbatches"], given["vpp"]
     instances, w_coll = match.match_collectives(events, layout, loaded)
     pairs, w_p2p = match.match_p2p(events, timed=False)  # wait/transfer once clocks are aligned
@@ -356,5 +512,150 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
     return Run(
         path=path, events=aligned, layout=layout, meta=metas, ranks=tuple(loaded), steps=tuple(steps),
         pairs=pairs, collectives=instances, offsets=offsets, warnings=tuple(warnings),
-        schedule=schedule, microbatches=microbatches, vpp=vpp, inferred=inferred,
+        schedule=schedule, microbatches=microbatches, vpp=vpp, inferred=inferred, requested=requested,
     )
+
+
+# -------------------------------------------------------------------------------------------
+# what the pptrace block claims, checked against what the traces show
+# -------------------------------------------------------------------------------------------
+def _cross_check(events, layout, given, claimed, metas, layout_said: str | None):
+    """-> (layout, given, warnings): each claim of the pptrace block (layout, and the fields
+    of ``given`` named in ``claimed``: microbatches, vpp, schedule) that the traces contradict
+    is replaced by what they show, with one warning naming both; an impossible value is
+    dropped. The evidence is infer.py's inference (p2p chain, pg_config, mb and chunk tags,
+    order of passes). ``layout_said``: how the layout came about ("... {} ..." for its
+    shape), None for one the caller gave or that was inferred."""
+    warnings: list = []
+    given = dict(given)
+    if layout_said is not None:
+        layout = _check_layout(events, layout, metas, layout_said, warnings)
+    if not claimed:
+        return layout, given, warnings
+    passes = infer.passes_of(events)
+    if "microbatches" in claimed:
+        _check_microbatches(passes, given, warnings)
+    if "vpp" in claimed:
+        _check_vpp(passes, given, warnings)
+    if "schedule" in claimed:
+        _check_schedule(passes, layout, given, sorted(metas), warnings)
+    return layout, given, warnings
+
+
+def _p2p_contradiction(events, layout) -> str | None:
+    """The first p2p range whose peer is no pipeline neighbour of its rank in ``layout``, as
+    words, or None. Peers of inferred rows are left out (their layout was assumed)."""
+    ev = events
+    sel = ((ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
+           & ~ev["gpu_annotation"].to_numpy() & ~ev["inferred"].to_numpy()
+           & ev["op"].isin(list(DIRECTION_OF)).to_numpy() & ev["peer"].notna().to_numpy())
+    if not sel.any():
+        return None
+    rank = ev["rank"].to_numpy(np.int64)[sel]
+    peer = ev["peer"].to_numpy(np.int64, na_value=-1)[sel]
+    world, pp = layout.world_size, layout.pp
+    stride = layout.rank(pp=1) if pp > 1 else 0
+    stage = (rank // max(stride, 1)) % pp
+    # neighbours on the ring: interleaved schedules send from the last stage to the first
+    nxt = rank + ((stage + 1) % pp - stage) * stride
+    prv = rank + ((stage - 1) % pp - stage) * stride
+    ok = (rank < world) & (peer >= 0) & (peer < world) & ((peer == nxt) | (peer == prv) | (peer == rank))
+    if ok.all():
+        return None
+    i = int(np.flatnonzero(~ok)[0])
+    return f"rank {rank[i]} exchanges p2p with rank {peer[i]}, not a pipeline neighbour in that layout"
+
+
+def _pg_contradiction(metas, layout) -> str | None:
+    """The first process group of distributedInfo.pg_config (pp, tp or cp) that differs from
+    the layout's group of that rank, as words, or None."""
+    for dim, groups in infer.dim_groups(metas).items():
+        for rank, ranks in sorted(groups.items()):
+            if rank < layout.world_size and sorted(layout.group_ranks(dim, rank)) != sorted(ranks):
+                return (f"distributedInfo.pg_config puts rank {rank} in the {dim} group {sorted(ranks)}, "
+                        f"the layout in {sorted(layout.group_ranks(dim, rank))}")
+    return None
+
+
+def _check_layout(events, layout, metas, said, warnings):
+    why = _pg_contradiction(metas, layout) or _p2p_contradiction(events, layout)
+    if why is None:
+        return layout
+    claim = said.format(_shape(layout))
+    shown, how = infer.p2p_chain(events, metas, layout.world_size)
+    if shown is None or shown == layout:
+        warnings.append(f"{claim}, but {why}; the traces show no other layout, so per-stage results "
+                        "follow it and may be wrong")
+        return layout
+    warnings.append(f"{claim}, but {why}; using {_shape(shown)} ({how})")
+    return shown
+
+
+def _check_microbatches(passes, given, warnings):
+    claim, seen = given["microbatches"], infer.microbatches_of(passes)
+    if claim is None:
+        return
+    if not _is_count(claim):
+        given["microbatches"] = seen
+        warnings.append(f"the pptrace block says microbatches {claim!r}, not a positive count; "
+                        + (f"using {seen} from the mb tags" if seen else "ignored"))
+    elif seen is not None and seen != claim:
+        given["microbatches"] = seen
+        warnings.append(f"the pptrace block says {claim} microbatches, but a rank's step runs forwards of {seen} "
+                        f"distinct microbatches (mb tags); using {seen}")
+
+
+def _check_vpp(passes, given, warnings):
+    claim = given["vpp"]
+    if claim is None:
+        return
+    seen = infer.chunks_of(passes)
+    tagged = bool(((passes["op"] == "fwd") & (passes["chunk"] >= 0)).any())
+    if not _is_count(claim):
+        given["vpp"] = seen if tagged else None
+        warnings.append(f"the pptrace block says vpp {claim!r}, not a positive count; "
+                        + (f"using {seen} from the chunk tags" if tagged else "ignored"))
+    # without chunk tags the count of forwards per microbatch only refutes a vpp above 1
+    # (recomputed forwards could pass for more chunks)
+    elif seen is not None and seen != claim and (tagged or claim > 1):
+        given["vpp"] = seen
+        source = "distinct chunk tags of a rank's forwards" if tagged else "forwards per microbatch in a rank's step"
+        warnings.append(f"the pptrace block says vpp {claim}, but the traces show {seen} model chunk"
+                        f"{'s' * (seen > 1)} per rank ({source}); using {seen}")
+
+
+def _check_schedule(passes, layout, given, ranks, warnings):
+    """A named schedule with a table whose order the passes do not follow is replaced by the
+    one they follow; a name pptrace does not know is kept (its theory replays the measured
+    order of passes, right for any schedule) with a warning; a name that is no string goes."""
+    claim = given["schedule"]
+    if claim is None:
+        return
+    pp = layout.pp
+    stage_of = {r: layout.coords(r).pp for r in ranks if r < layout.world_size}
+    if not isinstance(claim, str):
+        seen = infer.schedule_fits(passes, pp, stage_of)
+        given["schedule"] = None if seen is None else seen[0]
+        warnings.append(f"the pptrace block says schedule {claim!r}, not a name; "
+                        + ("ignored" if seen is None else f"using {seen[0]} from the order of passes"))
+        return
+    name = canonical(claim)
+    if name not in SCHEDULES and not claim.startswith(infer.TORCH_SCHEDULE_PREFIX):
+        seen = infer.schedule_fits(passes, pp, stage_of)
+        warnings.append(f"the pptrace block names schedule {claim!r}, which pptrace does not know; its theory is "
+                        "the replay of the measured order of passes"
+                        + (f" (the order of {seen[0]})" if seen is not None else ""))
+        return
+    if name not in (GPIPE, ONE_F_ONE_B, INTERLEAVED):
+        return  # a schedule without an F/B table (split backwards, torch's own): nothing to check
+    v = int(given["vpp"] or 1)
+    if infer.schedule_fits(passes, pp, stage_of, [(name, v)]) is not None:
+        return
+    seen = infer.schedule_fits(passes, pp, stage_of)
+    if seen is None:
+        return  # an order no table has (noise, a partial step): no evidence against the claim
+    given["schedule"], seen_v = seen
+    if seen_v != v:
+        given["vpp"] = seen_v
+    warnings.append(f"the pptrace block says schedule {claim!r}, but every rank's order of forwards and "
+                    f"backwards is {seen[0]}'s{f' (vpp {seen_v})' if seen_v > 1 else ''}; using {seen[0]}")

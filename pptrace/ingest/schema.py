@@ -81,7 +81,8 @@ from ..vocab import COMM_DIMS
 # 2: NCCL kernels carry their launching collective (ingest/nccl.py), Megatron names classified
 # 3: src_rank / dst_rank of NCCL p2p, the inferred flag (plain traces)
 # 4: c10d send/recv posts carry their "Concrete Inputs" peer and tag, gloo p2p ranges bytes
-SCHEMA_VERSION = 4
+# 5: events with an impossible ts or dur dropped and counted (frame.py), not clamped
+SCHEMA_VERSION = 5
 
 #: the category of a contract range of each communication dimension
 COMM_CATEGORIES = tuple(f"comm:{d}" for d in COMM_DIMS)
@@ -213,5 +214,5 @@ class RawEvent(msgspec.Struct, gc=False):
     pid: Any = None
     tid: Any = None
     ts: Any = msgspec.UNSET  # UNSET: no "ts" key (see _ts_ns); a non-number either way
-    dur: Any = 0
+    dur: Any = msgspec.UNSET  # UNSET: no "dur" key, an impossible X event (frame.py drops it)
     args: Union[RawArgs, None] = None

@@ -6,33 +6,72 @@ given back to the system as soon as the run's frame has taken its columns.
 
 The cache lives next to the traces (``traces/.pptrace-cache/<file>.arrow``) or, when that
 directory cannot be written, under ``$XDG_CACHE_HOME/pptrace/`` (default ``~/.cache``). User
-trace files are only ever read. An entry is valid while the trace's size and mtime and the
-schema version it was written with are unchanged; the key travels in the file's schema
-metadata, with the rank's meta and the row count.
+trace files are only ever read. An entry is valid while the trace file it was parsed from is
+the one at the path, unchanged: same inode, size, mtime and ctime (``touch -r`` sets mtime
+back, not ctime), and the same digest of its first and last bytes (a same-second edit on a
+filesystem with coarse timestamps) -- all taken from the file as it was opened and read, so a
+trace replaced mid-read never gets the new version's key on the old version's table -- and
+the same schema version. The key travels in the file's schema metadata, with the rank's meta
+and the row count. Entries are written under a temporary name and renamed: a killed run
+leaves at most a ``*.tmp`` file, removed by a later load once it is stale. Each entry also
+holds checksums of its metadata and data (columnar.CHECKSUM_KEY): a damaged entry is a miss,
+or found out when read and replaced by parsing its trace again, never read as data.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import stat
-import tempfile
+import time
 from pathlib import Path
 
 import orjson
 import pyarrow as pa
 
-from .columnar import StoredTable
+from ..errors import TraceError
+from .columnar import StoredTable, metadata_intact
+from .load import open_trace
 from .schema import SCHEMA_VERSION
 
 CACHE_DIRNAME = ".pptrace-cache"
 _SUFFIX = ".arrow"
 _OLD_SUFFIXES = (".parquet",)  # entries of earlier pptrace versions, replaced when rewritten
 _META_KEY = b"pptrace.ingest.store"
+#: Bytes hashed at each end of a trace file: a look-up reads these two only.
+_PROBE_BYTES = 64 << 10
+_TMP_SUFFIX = ".tmp"
+#: Writing one entry takes seconds; a temporary file this old is a killed run's leftover.
+_STALE_TMP_S = 600
+
+
+def _probe(head: bytes, tail: bytes) -> str:
+    digest = hashlib.blake2b(head, digest_size=16)
+    digest.update(tail)
+    return digest.hexdigest()
+
+
+def probe_of(raw: bytes) -> str:
+    """Digest of the first and last _PROBE_BYTES of a trace file's bytes (as stored, gzip or
+    not); :func:`source_key` gets the same from the file without reading the rest."""
+    return _probe(raw[:_PROBE_BYTES], raw[max(_PROBE_BYTES, len(raw) - _PROBE_BYTES):])
+
+
+def key_of(st: os.stat_result, probe: str) -> dict:
+    """The key of a trace file opened as ``st`` whose bytes gave ``probe``."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
+            "probe": probe, "schema": SCHEMA_VERSION}
 
 
 def source_key(trace_path) -> dict:
-    st = os.stat(trace_path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "schema": SCHEMA_VERSION}
+    """The key of the trace file now at ``trace_path`` (TraceError if it is no regular file)."""
+    fh, st = open_trace(trace_path)
+    with fh:
+        head = fh.read(_PROBE_BYTES)
+        start = max(_PROBE_BYTES, st.st_size - _PROBE_BYTES)
+        fh.seek(start)
+        tail = fh.read(max(0, st.st_size - start))
+    return key_of(st, _probe(head, tail))
 
 
 def _writable(directory: Path) -> bool:
@@ -56,19 +95,33 @@ def cache_path(trace_path) -> Path:
 
 
 def lookup(trace_path):
-    """(StoredTable, meta) for a valid cache entry, or None. Reads only the file's footer:
-    the table itself is read when the run's frame is assembled (columnar.frame_from_tables)."""
+    """(StoredTable, meta) for a valid cache entry, or None. Reads only the file's footer
+    (and the ends of the trace, for its key): the table itself is read when the run's frame
+    is assembled (columnar.frame_from_tables), which parses the trace again should the entry
+    turn out broken. A broken or stale entry is a miss, replaced by the next write."""
     path = cache_path(trace_path)
     try:
-        key = source_key(trace_path)
         with pa.OSFile(str(path)) as source:
             schema = pa.ipc.open_file(source).schema
-        stored = orjson.loads((schema.metadata or {})[_META_KEY])
-        if stored.get("key") != key or not isinstance(stored.get("rows"), int):
+        metadata = schema.metadata or {}
+        if not metadata_intact(metadata):  # damaged, or an entry of an earlier pptrace
             return None
-        return StoredTable(stored["rows"], path=path), stored["meta"]
-    except (OSError, KeyError, ValueError, TypeError, pa.ArrowException, orjson.JSONDecodeError):
+        stored = orjson.loads(metadata[_META_KEY])
+        meta = stored["meta"]
+        if not isinstance(stored.get("rows"), int) or not isinstance(meta, dict) \
+                or stored.get("key") != source_key(trace_path):
+            return None
+        return StoredTable(stored["rows"], path=path, source=(str(trace_path), meta.get("rank"))), meta
+    except (TraceError, OSError, KeyError, ValueError, TypeError, pa.ArrowException, orjson.JSONDecodeError):
         return None
+
+
+def drop(entry) -> None:
+    """Remove a cache entry (found broken); a failure leaves it to be replaced by the next write."""
+    try:
+        os.unlink(entry)
+    except OSError:
+        pass
 
 
 def read(trace_path):
@@ -78,24 +131,58 @@ def read(trace_path):
         return None
     try:
         return found[0].read(), found[1]
-    except (OSError, pa.ArrowException):
+    except (OSError, ValueError, pa.ArrowException):
         return None
 
 
-def write(trace_path, table: pa.Table, meta: dict) -> Path | None:
-    """Store ``table``; returns the entry's path, or None when no cache dir can be written
-    (caching is an optimisation: failing to cache never fails a load)."""
+def remove_stale_tmp(directory: Path) -> None:
+    """Remove the temporary files that killed runs left in a cache directory (any ``*.tmp``
+    older than _STALE_TMP_S: younger ones may be a concurrent run's write in progress)."""
+    cutoff = time.time() - _STALE_TMP_S
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.name.endswith(_TMP_SUFFIX) and entry.is_file(follow_symlinks=False) \
+                    and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+        except OSError:  # gone meanwhile, or another user's in a directory we may not clean
+            pass
+
+
+def _create_tmp(path: Path, trace_path) -> Path:
+    """A new, empty temporary file beside ``path`` (``.<entry>.<pid>.<random>.tmp``: never
+    taken for an entry), readable like the trace: created 0666 less the umask (mkstemp's
+    0600 would keep colleagues sharing the run directory from the entries), then no more
+    readable than the trace itself."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        allowed = os.fstat(fd).st_mode & 0o666  # 0666 less the umask
+        trace_mode = os.stat(trace_path).st_mode & 0o666
+        os.fchmod(fd, allowed & (trace_mode | stat.S_IRUSR | stat.S_IWUSR))
+    finally:
+        os.close(fd)
+    return tmp
+
+
+def write(trace_path, table: pa.Table, meta: dict, key: dict | None) -> Path | None:
+    """Store ``table`` under ``key`` (load.load_rank's, of the bytes it parsed; None: do not
+    store); returns the entry's path, or None when nothing was stored (caching is an
+    optimisation: failing to cache never fails a load)."""
+    if key is None:
+        return None
     path = cache_path(trace_path)
     try:
-        key = source_key(trace_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = orjson.dumps({"key": key, "rows": table.num_rows, "meta": meta}, option=orjson.OPT_NON_STR_KEYS)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), _META_KEY: payload})
         # Write then rename, so that a concurrent reader never sees half a file.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
+        tmp = _create_tmp(path, trace_path)
         try:
-            StoredTable.write_ipc(table, tmp)
+            StoredTable.write_checked(table, str(tmp))
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

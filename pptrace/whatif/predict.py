@@ -9,7 +9,6 @@ prediction.
 """
 from __future__ import annotations
 
-import gzip
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,11 +19,20 @@ import pandas as pd
 from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, PASS_OPS, SCHEDULES, canonical, has_closed_form
 from .replay import PipelineTimes, Timeline, action_programs, simulate
 from ..ingest import exchanges
+from ..progress import WHATIF, WRITE, phased
+from ..output import write_file
 
 SCHEMA = "pptrace.whatif/1"
 # ZB-H1 paper's working assumption (T_W ~ T_B) when a run never split its backward.
 DEFAULT_WGRAD_FRACTION = 0.5
 REPLICATIONS = 33
+#: passes (stages x chunks x microbatches) times replications one replay may simulate. The
+#: replay engine steps through every pass (about 1 ms per pass and 33 replications on a
+#: 2-core machine), so this keeps a prediction to seconds where --microbatches 100000 took
+#: twenty minutes; a longer step gets fewer replications, down to MIN_REPLICATIONS: it sums
+#: more latency draws, so its makespan varies less and fewer replications find its median.
+SIMULATION_BUDGET = REPLICATIONS * 4096
+MIN_REPLICATIONS = 5
 OUTLIER_STEP = 0.25  # relative distance from the median step beyond which a step is left out
 SEED = 0
 
@@ -356,6 +364,30 @@ def _ops(timeline: Timeline) -> dict:
     return {"columns": cols, "rows": timeline.ops[cols].to_numpy().tolist()}
 
 
+def _changes(measured: Measured, schedule: str, v: int, m: int, straggler, p2p_free: bool, wgrad_fraction) -> list:
+    """What the prediction changed from the measured configuration (an empty list: nothing,
+    and the prediction is the replay)."""
+    changed = {
+        "schedule": schedule != measured.schedule, "vpp": v != measured.vpp, "microbatches": m != measured.times.m,
+        "no_straggler": straggler is not None, "p2p_free": bool(p2p_free),
+        "wgrad_fraction": wgrad_fraction is not None and schedule == "zb-h1" and not measured.split_backward,
+    }
+    return [name for name, yes in changed.items() if yes]
+
+
+def _comparison(measured: Measured, m: int, predicted_step: float, changes: list) -> dict:
+    """How the prediction compares with the run. With another microbatch count a step does
+    other work, so the step time is no measure: per-sample throughput is (the microbatch size
+    is the run's). With no change, predicted and measured differ by the replay's own error
+    only, which is no speedup. ``speedup``: the throughput gain, None when nothing changed;
+    ``step_time_ratio``: measured over predicted step time, always."""
+    ratio = measured.step_time_s / predicted_step if predicted_step > 0 else None
+    throughput = ratio * m / measured.times.m if ratio is not None and measured.times.m else None
+    basis = "replay_error" if not changes else "throughput" if "microbatches" in changes else "step_time"
+    return {"changes": changes, "comparison": basis, "step_time_ratio": ratio, "throughput_ratio": throughput,
+            "speedup": None if basis == "replay_error" else throughput}
+
+
 def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int, overlap: bool,
                 programs: list | None = None) -> Timeline:
     """The median-makespan timeline of n simulations with drawn latencies (one if nothing
@@ -370,22 +402,60 @@ def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int,
     return runs[len(runs) // 2]
 
 
+def _replications(p: int, v: int, m: int, wanted: int, drawn: bool, notes: list, what: str,
+                  fix: str | None = None) -> int:
+    """How many replays a schedule of ``p`` stages x ``v`` chunks x ``m`` microbatches gets
+    within SIMULATION_BUDGET: ``wanted``, or fewer (odd) for a long one, with a note; a
+    ValueError saying the largest count that fits when not even MIN_REPLICATIONS do (one
+    replay when no latency is drawn: all replays would be the same)."""
+    passes = p * v * m
+    floor = min(wanted, MIN_REPLICATIONS) if drawn else 1
+    n = min(wanted, SIMULATION_BUDGET // max(passes, 1))
+    if n < floor:
+        most = SIMULATION_BUDGET // floor // (p * v)
+        shape = f"{p} stages x {v} chunks" if v > 1 else f"{p} stages"
+        fix = fix or (f"use --microbatches {most} or fewer" if most >= 1 else
+                      "use fewer --vpp chunks" if v > 1 else "pptrace cannot replay this pipeline")
+        raise ValueError(
+            f"{what} {shape} x {m} microbatches is {passes} passes to replay; pptrace replays at most "
+            f"{SIMULATION_BUDGET // floor} per step so that a prediction takes seconds, not minutes: {fix}"
+        )
+    if drawn and n < wanted:
+        n -= 1 - n % 2
+        notes.append(f"{what} {passes} passes per step: the median of {n} replays with drawn latencies, "
+                     f"not {wanted}, to answer in seconds")
+    return n
+
+
+@phased(WHATIF)
 def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=False, p2p_free=False,
            wgrad_fraction=None, sends="rendezvous", replications=REPLICATIONS) -> dict:
     """Predict the step time of ``run`` under the given changes (None = as measured).
 
     Returns a JSON-ready dict: ``measured`` (step_time_s, schedule, ...), ``replay`` (the
     measured schedule simulated with the measured times, and its error), ``predicted``
-    (step_time_s, stages[] {stage, bubble_s, ...}, timeline), ``speedup`` and ``notes``.
+    (step_time_s, stages[] {stage, bubble_s, ...}, timeline), ``changes`` (what differs from
+    the measured configuration), ``comparison`` (what to compare: ``throughput`` when the
+    microbatch count changed, ``step_time`` for other changes, ``replay_error`` when nothing
+    changed), ``step_time_ratio``, ``throughput_ratio``, ``speedup`` (see _comparison) and
+    ``notes``.
     Raises ValueError for impossible changes (interleaved with microbatches % pp != 0, ...).
     Message latencies are drawn from the run's measured transfers in ``replications``
     simulations (fixed seed); the median one is reported.
     """
+    if run.microbatches:  # before measure() sizes its arrays by what the traces claim
+        _replications(run.layout.pp, int(run.vpp or 1), int(run.microbatches), replications, True, [],
+                      f"{run.path}: the traces say that", "what-if cannot replay this run")
     measured = measure(run)
     times, notes = measured.times, list(measured.notes)
     target, v, m = _target(measured, times.m, schedule, vpp, microbatches)
+    drawn = times.latency_samples is not None
+    n_replay = _replications(times.p, measured.vpp, times.m, replications, drawn, notes, "the measured schedule:",
+                             "what-if cannot replay this run")
+    n_predict = _replications(times.p, v, m, replications, drawn and not p2p_free, notes,
+                              f"--microbatches {m}:" if microbatches else "the prediction:")
 
-    replay = _replicated(measured.schedule, times, measured.vpp, sends, replications, measured.overlap_p2p_comm,
+    replay = _replicated(measured.schedule, times, measured.vpp, sends, n_replay, measured.overlap_p2p_comm,
                          measured.programs)
     replay_step = replay.makespan_s + measured.fixed_s
 
@@ -408,7 +478,7 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
         )
     if target not in SCHEDULES and own is None:
         raise ValueError(f"schedule {target!r} is not one of {SCHEDULES}")
-    predicted = _replicated(target, times, v, sends, replications, overlap, own)
+    predicted = _replicated(target, times, v, sends, n_predict, overlap, own)
     predicted_step = predicted.makespan_s + measured.fixed_s
     return {
         "schema": SCHEMA,
@@ -426,7 +496,7 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
             "sends": sends,
         },
         "replay": {
-            "step_time_s": replay_step,
+            "step_time_s": replay_step, "window_s": replay.makespan_s,
             "error_fraction": replay_step / measured.step_time_s - 1 if measured.step_time_s else None,
         },
         "predicted": {
@@ -436,15 +506,19 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
             "step_time_s": predicted_step, "window_s": predicted.makespan_s,
             "stages": _stages(predicted), "timeline": _ops(predicted),
         },
-        "speedup": measured.step_time_s / predicted_step if predicted_step > 0 else None,
+        **_comparison(measured, m, predicted_step, _changes(measured, target, v, m, straggler, p2p_free,
+                                                            wgrad_fraction)),
         "notes": notes,
     }
 
 
 def print_whatif(result: dict, console) -> None:
-    from rich.table import Table
+    from ..export.tables import Col, print_table
 
     meas, pred, rep = result["measured"], result["predicted"], result["replay"]
+    basis = result.get("comparison") or "step_time"
+    error = rep.get("error_fraction")
+    error_text = "-" if error is None else f"{error * 100:+.1f}%"
 
     def label(d):
         text = f"{d['schedule']} m={d['microbatches']}" + (f" v={d['vpp']}" if d["vpp"] > 1 else "")
@@ -454,28 +528,49 @@ def print_whatif(result: dict, console) -> None:
             text += " p2p-free"
         return text
 
-    table = Table(title="what-if", show_edge=False)
-    for col in ("", "configuration", "step time", "pipeline window"):
-        table.add_column(col, justify="left" if col in ("", "configuration") else "right")
-    table.add_row("measured", label(meas), f"{meas['step_time_s'] * 1e3:.1f} ms", f"{meas['window_s'] * 1e3:.1f} ms")
-    table.add_row("replayed", label(meas), f"{rep['step_time_s'] * 1e3:.1f} ms",
-                  f"{(rep['error_fraction'] or 0) * 100:+.1f}% vs measured")
-    table.add_row("predicted", label(pred), f"{pred['step_time_s'] * 1e3:.1f} ms", f"{pred['window_s'] * 1e3:.1f} ms")
-    console.print(table)
-    stages = Table(show_edge=False)
-    for col in ("stage", "compute", "transfer", "bubble", "bubble %"):
-        stages.add_column(col, justify="right")
-    for s in pred["stages"]:
-        stages.add_row(str(s["stage"]), f"{s['compute_s'] * 1e3:.1f} ms", f"{s['transfer_s'] * 1e3:.1f} ms",
-                       f"{s['bubble_s'] * 1e3:.1f} ms", f"{s['bubble_fraction'] * 100:.1f}")
-    console.print(stages)
-    speedup = result.get("speedup")
-    if speedup:
-        console.print(f"predicted speedup: {speedup:.2f}x")
+    def ms(seconds):
+        return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+    def per_mb(d, step_s):
+        # a microbatch is the same samples in every configuration: time per microbatch is
+        # the inverse of per-sample throughput
+        return ms(step_s / d["microbatches"]) if step_s is not None and d["microbatches"] else "-"
+
+    # export/tables.py: fits the console's width without cutting a value
+    cols = [Col("", key=True, justify="left"), Col("configuration", wrap=True, justify="left"),
+            *(Col(h) for h in ("step time", "per microbatch", "pipeline window")), Col("vs measured", wrap=True)]
+    rows = [["measured", label(meas), ms(meas["step_time_s"]), per_mb(meas, meas["step_time_s"]),
+             ms(meas["window_s"]), ""],
+            ["replayed", label(meas), ms(rep["step_time_s"]), per_mb(meas, rep["step_time_s"]),
+             ms(rep.get("window_s")), f"error {error_text}"]]
+    if basis != "replay_error":
+        ratio = result.get("throughput_ratio") if basis == "throughput" else result.get("step_time_ratio")
+        versus = "-" if ratio is None else ("throughput" if basis == "throughput" else "speedup") + f" {ratio:.2f}x"
+        rows.append(["predicted", label(pred), ms(pred["step_time_s"]), per_mb(pred, pred["step_time_s"]),
+                     ms(pred["window_s"]), versus])
+    print_table(console, "what-if", cols, rows, show_edge=False)
+    rows = [[str(s["stage"]), ms(s["compute_s"]), ms(s["transfer_s"]), ms(s["bubble_s"]),
+             f"{s['bubble_fraction'] * 100:.1f}"] for s in pred["stages"]]
+    print_table(console, "replayed stages" if basis == "replay_error" else "predicted stages",
+                [Col("stage", key=True), *(Col(h) for h in ("compute", "transfer", "bubble", "bubble %"))],
+                rows, show_edge=False)
+    if basis == "replay_error":
+        console.print(f"nothing changed: the replay of the measured configuration is {error_text} off the "
+                      "measured step, the error to expect of a prediction from this run (no speedup)")
+    elif basis == "throughput":
+        throughput = result.get("throughput_ratio")
+        if throughput is not None:
+            console.print(f"predicted per-sample throughput: {throughput:.2f}x the measured with "
+                          f"{pred['microbatches']} microbatches instead of {meas['microbatches']} "
+                          f"(a step of {pred['microbatches']}/{meas['microbatches']} the samples in "
+                          f"{pred['step_time_s'] / meas['step_time_s']:.2f}x the time); replay error {error_text}")
+    elif result.get("speedup") is not None:
+        console.print(f"predicted speedup: {result['speedup']:.2f}x (step time; replay error {error_text})")
     for note in result.get("notes", []):
         console.print(f"note: {note}")
 
 
+@phased(f"{WRITE} the simulated trace")
 def write_simulated_trace(result: dict, out_path) -> Path:
     """The predicted timeline as a Chrome/Perfetto trace: one process per stage, compute and
     p2p on separate threads. ``.gz`` paths are gzip-compressed."""
@@ -500,7 +595,4 @@ def write_simulated_trace(result: dict, out_path) -> Path:
         })
     doc = {"traceEvents": events, "displayTimeUnit": "ms",
            "pptrace_whatif": {k: v for k, v in pred.items() if k != "timeline"}}
-    out = Path(out_path)
-    blob = orjson.dumps(doc)
-    out.write_bytes(gzip.compress(blob) if out.suffix == ".gz" else blob)
-    return out
+    return write_file(out_path, orjson.dumps(doc))
