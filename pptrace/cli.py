@@ -233,7 +233,7 @@ def info(run_dir: Path):
     from rich.table import Table
 
     from .ingest.load import find_trace_files, rank_of, read_header
-    from .ingest.run import _assign_ranks, _layout_of
+    from .ingest.run import assign_ranks, layout_of
 
     files = find_trace_files(run_dir)
     problems, found = [], []
@@ -248,8 +248,8 @@ def info(run_dir: Path):
         raise TraceError(f"{run_dir}: none of its {len(files)} trace files could be read: {problems[0]}")
     # analyze's own checks (duplicate ranks, traces of runs with other layouts or world
     # sizes), so that info never describes a directory analyze refuses
-    by_rank = _assign_ranks(found, problems)
-    _layout_of(by_rank, None, problems)
+    by_rank = assign_ranks(found, problems)
+    layout_of(by_rank, None, problems)
     table = Table(title=f"{run_dir}", title_justify="left")
     for col in ("rank", "coords", "steps", "schedule", "size", "file"):
         table.add_column(col, justify="right" if col in ("rank", "size") else "left")

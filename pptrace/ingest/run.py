@@ -227,7 +227,9 @@ def _believable_rank(header, path, warnings):
     return False
 
 
-def _assign_ranks(found, warnings):
+def assign_ranks(found, warnings):
+    """rank -> (path, header) of the traces found (path, header, rank or None); one rank per
+    trace, or the run is refused (two runs mixed in one directory). `info` checks the same."""
     by_rank: dict = {}
     unknown = [f for f in found if f[2] is None]
     if unknown and len(found) > 1:
@@ -260,7 +262,7 @@ def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _layout_of(by_rank, layout, warnings):
+def layout_of(by_rank, layout, warnings):
     blocks = {r: h.get("pptrace") for r, (_, h) in by_rank.items() if h.get("pptrace")}
     layouts = {}
     for rank, block in blocks.items():
@@ -400,9 +402,9 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     warnings: list[str] = []
     files = find_trace_files(path)
     with phase(HEADERS, enabled=progress):
-        by_rank = _assign_ranks(_headers(files, warnings), warnings)
+        by_rank = assign_ranks(_headers(files, warnings), warnings)
     # a layout not given by the caller is checked against what the traces show (_cross_check)
-    run_layout, said = _layout_of(by_rank, layout, warnings)
+    run_layout, said = layout_of(by_rank, layout, warnings)
     wanted = None
     if ranks is not None:
         wanted = {int(r) for r in ranks}
