@@ -59,6 +59,19 @@ def _per_microbatch(times: pd.DataFrame, ops) -> float:
     return float(sel.groupby(["rank", "step", "mb"])["dur_s"].sum().median())
 
 
+def _per_microbatch_by_chunk(times: pd.DataFrame) -> pd.DataFrame:
+    """(stage, chunk) -> fwd, bwd: :func:`_per_microbatch` of each chunk of each stage (0.0 for
+    a chunk without such passes), in one groupby per kind."""
+    keys = ["stage", "chunk"]
+    present = times[keys].drop_duplicates().set_index(keys).sort_index().index
+    out = pd.DataFrame(index=present)
+    for name, ops in (("fwd", FWD_OPS), ("bwd", BWD_OPS)):
+        sel = times[times["op"].isin(ops)]
+        med = sel.groupby([*keys, "rank", "step", "mb"])["dur_s"].sum().groupby(level=keys).median()
+        out[name] = med.reindex(present).fillna(0.0).to_numpy() if len(present) else []
+    return out
+
+
 def _phase_bubble(partitions_by_key: dict, times: pd.DataFrame) -> pd.DataFrame:
     """(rank, step) -> bubble seconds in warm-up / steady / cool-down. Warm-up ends at the
     first backward; cool-down starts after the last forward (or at the first backward when
@@ -254,15 +267,15 @@ def pipeline_stages(view, partitions: list, latency: dict | None = None) -> tupl
     m = int(view.microbatches or (times["mb"].nunique() if not times.empty else 0))
     v = view.v
     phases = _phase_bubble(by_key, times)
+    by_chunk = _per_microbatch_by_chunk(times)
     rows = []
     for stage in range(p):
         ranks = [r for r in view.ranks if r < view.layout.world_size and view.layout.coords(r).pp == stage]
         parts = [by_key[k] for k in by_key if k[0] in ranks]
         st = times[times["stage"] == stage]
-        chunks = []
-        for chunk, grp in st.groupby("chunk"):
-            chunks.append({"chunk": int(chunk), "t_fwd_s": _per_microbatch(grp, FWD_OPS),
-                           "t_bwd_s": _per_microbatch(grp, BWD_OPS)})
+        chunks = [{"chunk": int(c), "t_fwd_s": float(f), "t_bwd_s": float(b)}
+                  for (_, c), f, b in zip(by_chunk.loc[[stage]].index, by_chunk.loc[[stage], "fwd"],
+                                          by_chunk.loc[[stage], "bwd"])] if stage in by_chunk.index else []
         ph = phases[phases["rank"].isin(ranks)]
         step_s = float(np.mean([q.wall_ns for q in parts]) / 1e9) if parts else 0.0
         bubble = float(np.mean([q.parts["pp_bubble"].total for q in parts]) / 1e9) if parts else 0.0

@@ -29,10 +29,22 @@ def instance_waits(inst: pd.DataFrame) -> pd.DataFrame:
     df["wait_ns"] = (last - df["arrive_ns"]).astype(np.int64)
     df["transfer_ns"] = np.maximum(df["leave_ns"] - last, 0).astype(np.int64)
     # How long the group waited because of this rank alone: last minus second-last arrival.
-    second = g.transform(lambda a: np.sort(a.to_numpy())[-2] if len(a) > 1 else a.iloc[0])
+    second = _second_latest(df["instance"].to_numpy(), df["arrive_ns"].to_numpy(np.int64))
     df["is_last"] = (df["arrive_ns"] == last) & (df["n"] > 1)
     df["late_ns"] = np.where(df["is_last"], last - second, 0).astype(np.int64)
     return df
+
+
+def _second_latest(group, values: np.ndarray) -> np.ndarray:
+    """Per row, the second-largest ``values`` of its group (the largest for a group of one):
+    one sort, then each group's last-but-one position."""
+    codes = pd.factorize(group)[0]
+    order = np.lexsort((values, codes))
+    sorted_codes = codes[order]
+    ends = np.flatnonzero(np.r_[sorted_codes[1:] != sorted_codes[:-1], True])  # last row of each group
+    starts = np.r_[0, ends[:-1] + 1]
+    pick = np.where(ends > starts, ends - 1, ends)
+    return values[order][pick][codes]
 
 
 def step_end_rows(names: pd.Series) -> np.ndarray:

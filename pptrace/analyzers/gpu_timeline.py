@@ -28,10 +28,13 @@ from ..ingest.windows import GPU_ACTIVITY, gpu_step_windows
 LAUNCH_SHARE, IDLE_FLAG = 0.5, 0.1
 
 
-def is_launch_bound(idle, span, launch_bound) -> bool:
+def is_launch_bound(idle, span, launch_bound):
     """A step (or a rank's mean step) of GPU ``span`` with ``idle`` time, ``launch_bound`` of it
-    waiting for the host: flagged by LAUNCH_SHARE and IDLE_FLAG (any one unit of time)."""
-    return bool(idle >= IDLE_FLAG * span and launch_bound >= LAUNCH_SHARE * idle and idle > 0)
+    waiting for the host: flagged by LAUNCH_SHARE and IDLE_FLAG (any one unit of time).
+    Scalars give a bool, arrays a mask."""
+    idle, span, launch_bound = np.asarray(idle), np.asarray(span), np.asarray(launch_bound)
+    flagged = (idle >= IDLE_FLAG * span) & (launch_bound >= LAUNCH_SHARE * idle) & (idle > 0)
+    return bool(flagged) if flagged.ndim == 0 else flagged
 
 
 COLUMNS = (

@@ -91,14 +91,16 @@ def _gpu_warnings(view: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> l
         )
     if len(gpu):
         mean = gpu.groupby("rank")[["time_s", "idle_s", "launch_bound_s", "host_launching_s"]].mean()
-        for rank, row in mean.iterrows():
-            if is_launch_bound(row.idle_s, row.time_s, row.launch_bound_s):
-                warnings.append(
-                    f"rank {rank} looks launch-bound: the GPU is idle {row.idle_s / row.time_s:.0%} of "
-                    f"the step, {row.launch_bound_s / row.idle_s:.0%} of it waiting for the host to "
-                    f"launch work (host in CUDA calls {row.host_launching_s * 1e3:.2f} ms of it); "
-                    "fewer, larger kernels (fusion, CUDA graphs) or less host work per step would help"
-                )
+        flagged = mean[is_launch_bound(mean["idle_s"], mean["time_s"], mean["launch_bound_s"])]
+        warnings += [
+            f"rank {rank} looks launch-bound: the GPU is idle {idle / time:.0%} of "
+            f"the step, {bound / idle:.0%} of it waiting for the host to "
+            f"launch work (host in CUDA calls {launching * 1e3:.2f} ms of it); "
+            "fewer, larger kernels (fusion, CUDA graphs) or less host work per step would help"
+            for rank, time, idle, bound, launching in zip(
+                flagged.index, flagged["time_s"], flagged["idle_s"], flagged["launch_bound_s"],
+                flagged["host_launching_s"])
+        ]
     return warnings
 
 
@@ -160,11 +162,10 @@ def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> l
             continue
         coords = view.layout.coords(rank)._asdict() if rank < view.layout.world_size else None
         mine = table[table["rank"] == rank]
-        steps = [{
-            "step": int(row.step), "time_s": row.time_s,
-            "breakdown_s": {part: getattr(row, part) for part in PARTS},
-            "hidden_s": {d: getattr(row, f"hidden_{d}") for d in COMM_DIMS},
-        } for row in mine.itertuples()]
+        hidden = mine[[f"hidden_{d}" for d in COMM_DIMS]].set_axis(list(COMM_DIMS), axis=1)
+        steps = [{"step": int(step), "time_s": time, "breakdown_s": parts, "hidden_s": dims}
+                 for step, time, parts, dims in zip(mine["step"], mine["time_s"], mine[list(PARTS)].to_dict("records"),
+                                                   hidden.to_dict("records"))]
         # GPU timeline (analyzers/gpu_timeline.py): beside the partition, memcpy and idle apart, launch-bound
         on_gpu = gpu[gpu["rank"] == rank].set_index("step") if len(gpu) else gpu
         for entry in steps:

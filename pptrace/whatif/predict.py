@@ -155,8 +155,9 @@ def _latency(observed: pd.DataFrame, p: int) -> tuple[np.ndarray, np.ndarray | N
         return lat, None
     seconds = observed["latency_ns"].to_numpy(dtype=float) / 1e9
     lat[:] = float(np.median(seconds))  # links the run never used (e.g. interleaved's wrap)
-    for (s, d), value in observed.groupby("link")["latency_ns"].median().items():
-        lat[int(s), int(d)] = value / 1e9
+    per_link = observed.groupby("link")["latency_ns"].median()
+    ends = np.array(per_link.index.tolist(), dtype=np.int64).reshape(-1, 2)
+    lat[ends[:, 0], ends[:, 1]] = per_link.to_numpy(dtype=float) / 1e9
     return lat, seconds
 
 
@@ -178,36 +179,68 @@ def _overhead(ops: pd.DataFrame) -> float:
         pd.DataFrame({"rank": blocking["rank"], "step": steps.reindex(blocking["exchange"]).to_numpy(),
                       "start_ns": blocking["lo"], "end_ns": blocking["hi"]}),
     ])
-    gaps = []
-    for _, g in units.groupby(["rank", "step"], observed=True):
-        start = np.sort(g["start_ns"].to_numpy(np.int64))
-        end = np.sort(g["end_ns"].to_numpy(np.int64))
-        done = np.searchsorted(end, start[1:], side="right")  # ops ended by each later start
-        ended = end[np.maximum(done - 1, 0)]
-        # a start with no op ended since the previous start opened inside that one: no gap
-        gap = np.where((done > 0) & (ended >= start[:-1]), start[1:] - ended, 0)
-        gaps.append(gap[gap > 0])
-    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    group = pd.MultiIndex.from_arrays([units["rank"].to_numpy(), units["step"].to_numpy()]).factorize()[0]
+    start_key, end_key = _in_group_order(group, units["start_ns"].to_numpy(np.int64),
+                                         units["end_ns"].to_numpy(np.int64))
+    s_order, e_order = np.argsort(start_key, kind="stable"), np.argsort(end_key, kind="stable")
+    start_key, end_key = start_key[s_order], end_key[e_order]
+    start, end = units["start_ns"].to_numpy(np.int64)[s_order], units["end_ns"].to_numpy(np.int64)[e_order]
+    g_start, g_end = group[s_order], group[e_order]
+    first_end = np.searchsorted(g_end, g_start, side="left")  # where each start's group begins among ends
+    later = np.r_[False, g_start[1:] == g_start[:-1]]  # every start but its group's first
+    done = np.searchsorted(end_key, start_key, side="right")  # ops of the group ended by each start
+    ended = end[np.maximum(done - 1, 0)]
+    prev_start = np.r_[start[:1], start[:-1]]
+    # a start with no op ended since the previous start opened inside that one: no gap
+    gap = np.where(later & (done > first_end) & (ended >= prev_start), start - ended, 0)
+    gaps = gap[gap > 0]
     return float(np.median(gaps)) / 1e9 if gaps.size else 0.0
+
+
+def _in_group_order(group: np.ndarray, *times: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sort keys that order ``times`` by (group, time) in one comparable int64 each: every
+    time replaced by its rank among all of them, so no epoch-nanosecond product overflows."""
+    ranks = np.unique(np.concatenate(times), return_inverse=True)[1].astype(np.int64)
+    width = int(ranks.max()) + 1 if len(ranks) else 1
+    group = np.asarray(group, np.int64)
+    out, at = [], 0
+    for t in times:
+        out.append(group * width + ranks[at:at + len(t)])
+        at += len(t)
+    return tuple(out)
 
 
 def _post_cost(main: pd.DataFrame) -> float:
     """Median host time from posting an exchange that is waited later to the pass run
     meanwhile (ZB-H1's W, overlap_p2p_comm): the earliest p2p range opened since the rank's
     previous pass, up to the start of the pass nested in it."""
-    costs = []
-    for _, g in main.groupby(["rank", "step"], observed=True):
-        passes = g[g["category"] == "compute"].sort_values("start_ns")
-        p2p = g[(g["category"] == "p2p").to_numpy() & (g["kind"] == "pp").to_numpy()]
-        if passes.empty or p2p.empty:
-            continue
-        p_start, p_end = p2p["start_ns"].to_numpy(), p2p["end_ns"].to_numpy()
-        prev_end = np.r_[np.iinfo(np.int64).min, passes["end_ns"].to_numpy()[:-1]]
-        for start, after in zip(passes["start_ns"].to_numpy(), prev_end):
-            opened = (p_start >= after) & (p_start < start) & (p_end > start)
-            if opened.any():
-                costs.append(start - p_start[opened].min())
-    return float(np.median(costs)) / 1e9 if costs else 0.0
+    groups = pd.MultiIndex.from_arrays([main["rank"].to_numpy(), main["step"].to_numpy()]).factorize()[0]
+    is_pass = (main["category"] == "compute").to_numpy()
+    is_p2p = (main["category"] == "p2p").to_numpy() & (main["kind"] == "pp").to_numpy()
+    if not is_pass.any() or not is_p2p.any():
+        return 0.0
+    g_pass, g_p2p = groups[is_pass], groups[is_p2p]
+    pass_start, pass_end = main["start_ns"].to_numpy(np.int64)[is_pass], main["end_ns"].to_numpy(np.int64)[is_pass]
+    p_start, p_end = main["start_ns"].to_numpy(np.int64)[is_p2p], main["end_ns"].to_numpy(np.int64)[is_p2p]
+    (keys,) = _in_group_order(np.r_[g_pass, g_p2p], np.r_[pass_start, p_start])
+    pass_key, p2p_key = keys[:len(g_pass)], keys[len(g_pass):]
+    order = np.argsort(pass_key, kind="stable")
+    pass_key, g_pass, pass_start, pass_end = pass_key[order], g_pass[order], pass_start[order], pass_end[order]
+    # previous pass of the same rank and step (by start): a range posted after it ended and
+    # still open when the next pass starts was posted to be waited later
+    prev_end = np.where(np.r_[False, g_pass[1:] == g_pass[:-1]], np.r_[0, pass_end[:-1]], np.iinfo(np.int64).min)
+    nxt = np.searchsorted(pass_key, p2p_key, side="right")  # the first pass starting after each post
+    ok = nxt < len(pass_key)
+    nxt = np.minimum(nxt, len(pass_key) - 1)
+    opened = ok & (g_pass[nxt] == g_p2p) & (p_start >= prev_end[nxt]) & (p_start < pass_start[nxt]) \
+        & (p_end > pass_start[nxt])
+    if not opened.any():
+        return 0.0
+    earliest = np.full(len(pass_key), np.iinfo(np.int64).max)
+    np.minimum.at(earliest, nxt[opened], p_start[opened])
+    hit = earliest < np.iinfo(np.int64).max
+    costs = pass_start[hit] - earliest[hit]
+    return float(np.median(costs)) / 1e9
 
 
 def _wgrad_fraction(run) -> float | None:
@@ -352,11 +385,9 @@ def _for_schedule(measured: Measured, times: PipelineTimes, schedule: str, wgrad
 # ---------------------------------------------------------------------------------------
 def _stages(timeline: Timeline) -> list[dict]:
     span = timeline.makespan_s or 1.0
-    return [
-        {"stage": int(r.stage), "bubble_s": float(r.bubble_s), "compute_s": float(r.compute_s),
-         "transfer_s": float(r.transfer_s), "bubble_fraction": float(r.bubble_s) / span}
-        for r in timeline.stages.itertuples()
-    ]
+    stages = timeline.stages[["stage", "bubble_s", "compute_s", "transfer_s"]].astype(
+        {"stage": int, "bubble_s": float, "compute_s": float, "transfer_s": float})
+    return stages.assign(bubble_fraction=stages["bubble_s"] / span).to_dict("records")
 
 
 def _ops(timeline: Timeline) -> dict:
