@@ -22,6 +22,7 @@ tp peers is not followed.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,87 +62,201 @@ class CriticalPath:
 
 
 @dataclass
-class _Units:
-    """One rank's units in a step: ``start``, ``end`` (ns arrays), ``phase`` and ``waits``
-    ((peer rank, peer post ns) of the peers each synchronised with) per unit."""
+class _Graph:
+    """The units of every (step, rank) of some rows, all at once, as flat lists the walk reads
+    with bisect. Group ``k = step code * n_ranks + rank`` owns work units
+    ``w_at[k]:w_at[k + 1]`` (disjoint, in time order, so their ends ascend too) and exchange
+    units ``x_at[k]:x_at[k + 1]``, in order of their end, then exchange id (so the first open
+    one is the one waited on: the earliest to end, of a tie the first posted). Unit ``u``
+    (work) or ``n_work + j`` (exchange) synchronised with the peers ``wait_rank``/``wait_t``
+    (peer post ns) ``wait_at[u]:wait_at[u + 1]``, in order of ``wait_t``, and among equal
+    times in reverse partner order: the last one at or before t is then the latest peer,
+    of a tie the first partner (see _entries)."""
 
-    start: np.ndarray
-    end: np.ndarray
-    phase: list
-    waits: list
-
-
-@dataclass
-class _Rank:
-    work: _Units       # disjoint, in time order
-    exchanges: _Units  # in order of their start; open at once where overlap_p2p_comm posted both
-
-
-def _phase(category: str, kind: str, op: str) -> str:
-    if category == "p2p":
-        return f"{kind}:transfer"
-    return f"{kind}:{op}"
-
-
-def _partners(pairs: pd.DataFrame, coll: pd.DataFrame | None) -> dict:
-    """event index -> [(peer rank, peer post ns)]: p2p peers and collective co-members."""
-    out: dict = {}
-    for s_idx, r_idx, src, dst, s0, r0 in zip(pairs["send_index"], pairs["recv_index"], pairs["src"],
-                                               pairs["dst"], pairs["send_start_ns"], pairs["recv_start_ns"]):
-        out.setdefault(int(s_idx), []).append((int(dst), int(r0)))
-        out.setdefault(int(r_idx), []).append((int(src), int(s0)))
-    if coll is not None:
-        for _, inst in coll.groupby("instance"):
-            members = list(zip(inst["rank"].astype(int), inst["arrive_ns"].astype(np.int64)))
-            for idx, rank in zip(inst["index"], inst["rank"]):
-                out.setdefault(int(idx), []).extend((r, int(t)) for r, t in members if r != rank)
-    return out
+    steps: np.ndarray  # step code -> step
+    n_ranks: int
+    w_start: list
+    w_end: list
+    w_phase: list
+    w_at: list
+    x_start: list
+    x_start_arr: np.ndarray
+    x_end: list
+    x_phase: list
+    x_at: list
+    wait_rank: list
+    wait_t: list
+    wait_at: list
+    p2p_index: pd.Index      # the p2p ranges, in row order ...
+    p2p_step: np.ndarray     # ... their step ...
+    p2p_exchange: np.ndarray  # ... and exchange, numbered per step as exchanges.exchange_ids does
 
 
-def _group(rows: pd.DataFrame, ids: np.ndarray, partners: dict) -> _Units:
-    """Units of ``rows`` grouped by ``ids`` (rows in time order): a unit spans its rows and
-    is named after its first."""
-    if not len(rows):
-        return _Units(np.zeros(0, np.int64), np.zeros(0, np.int64), [], [])
-    g = pd.DataFrame({"id": ids, "start": rows["start_ns"].to_numpy(np.int64),
-                      "end": rows["end_ns"].to_numpy(np.int64)}).groupby("id", sort=True)
-    first = g.cumcount().to_numpy() == 0
-    heads = rows[first]
-    phase = [_phase(c, k, o) for c, k, o in zip(heads["category"].astype(str), heads["kind"].astype(str),
-                                                 heads["op"].astype(str))]
-    order = {u: i for i, u in enumerate(np.unique(ids))}
-    waits: list = [[] for _ in order]
-    for i in np.flatnonzero(rows.index.isin(list(partners))):
-        waits[order[ids[i]]].extend(partners[int(rows.index[i])])
-    return _Units(g["start"].min().to_numpy(), g["end"].max().to_numpy(), phase, waits)
+def _phases(rows: pd.DataFrame, at: np.ndarray, p2p: bool) -> list:
+    """The phase of the units named after ``rows`` at positions ``at``."""
+    def text(col):  # as f"{value}" writes it: a missing one reads "nan"
+        return rows[col].iloc[at].astype(str).fillna("nan").to_numpy(dtype=object)
+    return (text("kind") + (":transfer" if p2p else ":" + text("op"))).tolist()
 
 
-def _units(rows: pd.DataFrame, exchange: pd.Series, partners: dict) -> _Rank:
-    """A rank's units in one step; ``exchange``: its p2p ranges' exchanges (event index -> id)."""
-    rows = rows.sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable")
-    p2p = (rows["category"] == "p2p").to_numpy()
-    ex_rows, work_rows = rows[p2p], rows[~p2p]
-    ex = _group(ex_rows, exchange.reindex(ex_rows.index).to_numpy(), partners)
-    end = work_rows["end_ns"].to_numpy(np.int64)
-    reach = np.maximum.accumulate(end) if len(end) else end
-    work_ids = np.cumsum(np.r_[True, work_rows["start_ns"].to_numpy(np.int64)[1:] >= reach[:-1]]) \
-        if len(end) else np.zeros(0, np.int64)
-    work = _group(work_rows, work_ids, partners)
-    # An exchange inside work (cp's ring inside compute:fwd) is part of that work.
-    k = np.searchsorted(work.start, ex.start, side="right") - 1
-    inside = (k >= 0) & (ex.end <= work.end[np.maximum(k, 0)]) if len(work.start) else np.zeros(len(ex.start), bool)
-    for i in np.flatnonzero(inside):
-        work.waits[k[i]].extend(ex.waits[i])
-    keep = ~inside
-    ex = _Units(ex.start[keep], ex.end[keep], [p for p, o in zip(ex.phase, keep) if o],
-                [w for w, o in zip(ex.waits, keep) if o])
-    return _Rank(work, ex)
+def _exchange_ids(step_code, rank, start, end, kind, n_ranks) -> tuple:
+    """Per p2p range, its exchange as exchanges.exchange_ids numbers each step's ranges on
+    their own (by rank, then kind in order of first appearance in the step, a missing kind
+    first, then start), offset so that the ids of all steps run on; and each step's first id."""
+    kinds = pd.factorize(np.asarray(kind, dtype=object))[0].astype(np.int64)
+    n_kinds = int(kinds.max()) + 2
+    key = step_code * n_kinds + kinds + 1
+    seen, first = np.unique(key, return_index=True)
+    by = np.lexsort((first, seen % n_kinds == 0, seen // n_kinds))
+    step_of = seen[by] // n_kinds
+    code = np.empty(len(seen), np.int64)
+    code[by] = np.arange(len(seen)) - np.searchsorted(step_of, step_of)
+    code[seen % n_kinds == 0] = -1
+    lane = (step_code * n_ranks + rank) * n_kinds + 1 + code[np.searchsorted(seen, key)]
+    ids = exchanges.exchange_ids(lane, start, end)
+    step_first = np.full(int(step_code.max()) + 1, np.iinfo(np.int64).max)
+    np.minimum.at(step_first, step_code, ids)
+    return ids, step_first
+
+
+def _entries(pairs: pd.DataFrame, coll) -> tuple:
+    """Partner entries (step, event index, peer rank, peer post ns), then the keys of their
+    order, which picks among peers that posted at one instant: p2p peers by pair (a send's
+    before its recv's), then collective co-members by instance, the event's row, the
+    member's row."""
+    n = len(pairs)
+    pos = np.arange(n, dtype=np.int64)
+    parts = [(np.tile(pairs["step"].to_numpy(np.int64), 2),
+              np.r_[pairs["send_index"].to_numpy(np.int64), pairs["recv_index"].to_numpy(np.int64)],
+              np.r_[pairs["dst"].to_numpy(np.int64), pairs["src"].to_numpy(np.int64)],
+              np.r_[pairs["recv_start_ns"].to_numpy(np.int64), pairs["send_start_ns"].to_numpy(np.int64)],
+              np.zeros(2 * n, np.int64), np.r_[2 * pos, 2 * pos + 1], np.zeros(2 * n, np.int64),
+              np.zeros(2 * n, np.int64))]
+    if coll is not None and len(coll):
+        c_step, inst = coll["step"].to_numpy(np.int64), coll["instance"].to_numpy(np.int64)
+        order = np.lexsort((np.arange(len(coll)), inst, c_step))
+        c_step, inst = c_step[order], inst[order]
+        c_rank = coll["rank"].to_numpy(np.int64)[order]
+        c_index, arrive = coll["index"].to_numpy(np.int64)[order], coll["arrive_ns"].to_numpy(np.int64)[order]
+        head = np.flatnonzero(np.r_[True, (c_step[1:] != c_step[:-1]) | (inst[1:] != inst[:-1])])
+        size = np.diff(np.r_[head, len(order)])
+        # every member against every member of its instance
+        m = np.repeat(size, size)
+        own = np.repeat(np.arange(len(order)), m)
+        begin = np.repeat(np.repeat(head, size), m)
+        member = begin + np.arange(len(own)) - np.repeat(np.cumsum(m) - m, m)
+        other = c_rank[own] != c_rank[member]
+        own, member = own[other], member[other]
+        parts.append((c_step[own], c_index[own], c_rank[member], arrive[member], np.ones(len(own), np.int64),
+                      inst[own], own, member))
+    return tuple(np.concatenate(col) for col in zip(*parts))
+
+
+def _graph(rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> _Graph:
+    """The units of ``rows`` (main-thread ranges of any steps), with the partners of the
+    steps' ``pairs`` and collectives ``coll`` (None: none)."""
+    n = len(rows)
+    steps, step_code = np.unique(rows["step"].to_numpy(np.int64), return_inverse=True)
+    step_code = step_code.astype(np.int64)
+    rank = rows["rank"].to_numpy(np.int64)
+    start, end = rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64)
+    n_ranks = int(rank.max()) + 1 if n else 0
+    group = step_code * n_ranks + rank
+    n_groups = len(steps) * n_ranks
+    is_p2p = (rows["category"] == "p2p").to_numpy()
+    # each rank's rows in time order, longest first at one start, then in row order
+    order = np.lexsort((np.arange(n), -end, start, group))
+    time_pos = np.empty(n, np.int64)
+    time_pos[order] = np.arange(n)
+
+    # work: overlapping ranges merge; a unit is named after its first range
+    wo = order[~is_p2p[order]]
+    wg, ws, we = group[wo], start[wo], end[wo]
+    reach = pd.Series(we).groupby(wg).cummax().to_numpy() if len(wo) else we
+    new = np.r_[True, (wg[1:] != wg[:-1]) | (ws[1:] >= reach[:-1])] if len(wo) else np.zeros(0, bool)
+    heads = np.flatnonzero(new)
+    w_unit = np.cumsum(new) - 1
+    w_start, w_group = ws[heads], wg[heads]
+    w_end = np.maximum.reduceat(we, heads) if len(heads) else we
+    n_work = len(heads)
+
+    # exchanges: the p2p ranges nested in their first one
+    pf = np.flatnonzero(is_p2p)
+    if len(pf):
+        ids, step_first = _exchange_ids(step_code[pf], rank[pf], start[pf], end[pf], rows["kind"].iloc[pf].astype(str),
+                                        n_ranks)
+    else:
+        ids, step_first = np.zeros(0, np.int64), np.zeros(len(steps), np.int64)
+    n_ex = int(ids.max()) + 1 if len(ids) else 0
+    by_id = pf[np.argsort(ids, kind="stable")]
+    id_sorted = np.sort(ids)
+    id_head = np.flatnonzero(np.r_[True, id_sorted[1:] != id_sorted[:-1]]) if n_ex else np.zeros(0, np.int64)
+    x_start = np.minimum.reduceat(start[by_id], id_head) if n_ex else np.zeros(0, np.int64)
+    x_end = np.maximum.reduceat(end[by_id], id_head) if n_ex else np.zeros(0, np.int64)
+    x_group = group[by_id[id_head]]
+    # named after its first range in time order
+    xo = order[is_p2p[order]]
+    ex_of_row = np.full(n, -1, np.int64)
+    ex_of_row[pf] = ids
+    x_name = xo[np.unique(ex_of_row[xo], return_index=True)[1]]
+    x_phase = np.array(_phases(rows, x_name, True), dtype=object)
+
+    # An exchange inside work (cp's ring inside compute:fwd) is part of that work: the last
+    # work unit of its rank starting at or before it (work first at one start).
+    both = np.lexsort((np.r_[np.zeros(n_work, np.int64), np.ones(n_ex, np.int64)], np.r_[w_start, x_start],
+                       np.r_[w_group, x_group]))
+    work_before = np.cumsum(both < n_work) - 1
+    k = np.empty(n_ex, np.int64)
+    k[both[both >= n_work] - n_work] = work_before[both >= n_work]
+    k_ok = np.maximum(k, 0)
+    inside = (k >= 0) & (w_group[k_ok] == x_group) & (x_end <= w_end[k_ok]) if n_work else np.zeros(n_ex, bool)
+    kept = np.flatnonzero(~inside)
+    kept = kept[np.lexsort((kept, x_end[kept], x_group[kept]))]
+    x_pos = np.full(n_ex, -1, np.int64)
+    x_pos[kept] = np.arange(len(kept))
+
+    # each row's unit, and where its partners rank in that unit's: a work unit has its ranges'
+    # partners, then those of the exchanges inside it by id, each's ranges in time order
+    row_unit = np.empty(n, np.int64)
+    row_unit[wo] = w_unit
+    row_ex = ex_of_row[pf]
+    row_unit[pf] = np.where(inside[row_ex], k_ok[row_ex], n_work + x_pos[row_ex])
+    row_part = np.zeros(n, np.int64)  # 0: own ranges, 1 + id: an exchange inside work
+    row_part[pf] = np.where(inside[row_ex], 1 + row_ex, 0)
+
+    e_step, e_index, e_rank, e_t, *e_order = _entries(pairs, coll)
+    e_row = rows.index.get_indexer(e_index)
+    ok = e_row >= 0
+    ok[ok] = steps[step_code[e_row[ok]]] == e_step[ok]  # a step's partners only
+    e_row, e_rank, e_t = e_row[ok], e_rank[ok], e_t[ok]
+    e_unit = row_unit[e_row]
+    listed = np.lexsort((*[o[ok] for o in e_order[::-1]], time_pos[e_row], row_part[e_row], e_unit))
+    place = np.empty(len(listed), np.int64)
+    place[listed] = np.arange(len(listed))
+    final = np.lexsort((-place, e_t, e_unit))
+    at = lambda keys, n_keys: np.searchsorted(keys, np.arange(n_keys + 1)).tolist()  # noqa: E731
+    return _Graph(
+        steps=steps, n_ranks=n_ranks,
+        w_start=w_start.tolist(), w_end=w_end.tolist(), w_phase=_phases(rows, wo[heads], False),
+        w_at=at(w_group, n_groups),
+        x_start=x_start[kept].tolist(), x_start_arr=x_start[kept], x_end=x_end[kept].tolist(),
+        x_phase=x_phase[kept].tolist(), x_at=at(x_group[kept], n_groups),
+        wait_rank=e_rank[final].tolist(), wait_t=e_t[final].tolist(), wait_at=at(e_unit[final], n_work + len(kept)),
+        p2p_index=rows.index[pf], p2p_step=steps[step_code[pf]], p2p_exchange=ids - step_first[step_code[pf]],
+    )
 
 
 def _main_rows(run) -> pd.DataFrame:
     ev = run.events
     keep = (ev["lane"] == "main").to_numpy() & ev["category"].isin(list(_UNIT_CATEGORIES)).to_numpy()
     return ev.loc[keep, _COLUMNS]
+
+
+def _windows(run) -> np.ndarray:
+    """run.step_windows as rows (rank, step, start, end)."""
+    sw = run.step_windows
+    keys = np.array(list(sw.keys()), dtype=np.int64).reshape(-1, 2)
+    return np.c_[keys, np.array(list(sw.values()), dtype=np.int64).reshape(-1, 2)]
 
 
 def critical_path(run, step: int | None = None) -> CriticalPath:
@@ -152,65 +267,75 @@ def critical_path(run, step: int | None = None) -> CriticalPath:
     rows = _main_rows(run)
     pairs = run.pairs
     coll = run.collectives
-    return _path(run, step, rows[(rows["step"] == step).to_numpy()], pairs[(pairs["step"] == step).to_numpy()],
-                 None if coll is None else coll[(coll["step"] == step).to_numpy()])
+    rows = rows[(rows["step"] == step).to_numpy()]
+    graph = _graph(rows, pairs[(pairs["step"] == step).to_numpy()],
+                   None if coll is None else coll[(coll["step"] == step).to_numpy()])
+    return _path(run, step, graph, _windows(run))
 
 
-def _path(run, step: int, rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> CriticalPath:
-    windows = {r: w for (r, s), w in run.step_windows.items() if s == step}
-    if not windows:
+def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
+    windows = windows[windows[:, 1] == step]
+    if not len(windows):
         raise ValueError(f"step {step} has no ProfilerStep range on any rank")
-    work = rows[rows["category"].isin(_UNIT_CATEGORIES).to_numpy()]
-    partners = _partners(pairs, coll)
-    p2p = work[(work["category"] == "p2p").to_numpy()]
-    ids = pd.Series(exchanges.exchange_ids(p2p["rank"], p2p["start_ns"], p2p["end_ns"], p2p["kind"].astype(str)),
-                    index=p2p.index, dtype=np.int64)
-    units = {int(r): _units(g, ids, partners) for r, g in work.groupby("rank", observed=True)}
-    starts = {r: w[0] for r, w in windows.items()}
-    rank, t = max(((r, w[1]) for r, w in windows.items()), key=lambda x: (x[1], -x[0]))
-    floor = min(starts.values())
-    stage_of = lambda r: run.layout.coords(r).pp if r < run.layout.world_size else -1  # noqa: E731
+    w_rank, w_first, w_last = windows[:, 0], windows[:, 2], windows[:, 3]
+    top = np.lexsort((w_rank, -w_last))[0]  # the last rank to end; of a tie, the lowest
+    rank, t = int(w_rank[top]), int(w_last[top])
+    floor = int(w_first.min())
 
+    def began(r):  # the rank's step start, floor if it has none
+        at = np.flatnonzero(w_rank == r)
+        return max(int(w_first[at[0]]), floor) if len(at) else floor
+
+    g = graph
+    si = np.searchsorted(g.steps, step)
+    base = int(si) * g.n_ranks if si < len(g.steps) and g.steps[si] == step else None
+    n_work = len(g.w_start)
+    stage_of = lambda r: run.layout.coords(r).pp if r < run.layout.world_size else -1  # noqa: E731
+    stage: dict = {}
     segments = []
 
     def emit(r, phase, a, b):
         if b > a:
-            segments.append((r, stage_of(r), phase, a, b, b - a))
+            if r not in stage:
+                stage[r] = stage_of(r)
+            segments.append((r, stage[r], phase, a, b, b - a))
 
-    def latest_before(times: np.ndarray, t: int) -> int | None:
-        before = times[times < t]
-        return int(before.max()) if before.size else None
-
-    n_units = sum(len(u.work.start) + len(u.exchanges.start) for u in units.values())
+    if base is None:
+        n_units = 0
+    else:
+        end = base + g.n_ranks
+        n_units = g.w_at[end] - g.w_at[base] + g.x_at[end] - g.x_at[base]
+    w_start, w_end, x_start, x_end, wait_t = g.w_start, g.w_end, g.x_start, g.x_end, g.wait_t
     for _ in range(10 * n_units + 10):  # each turn lowers t or moves to a peer that posted earlier
-        mine = units.get(rank)
-        if mine is None or t <= floor:
-            emit(rank, "other", max(starts.get(rank, floor), floor), t)
+        k = base + rank if base is not None and 0 <= rank < g.n_ranks else None
+        if k is None or t <= floor or (g.w_at[k] == g.w_at[k + 1] and g.x_at[k] == g.x_at[k + 1]):
+            emit(rank, "other", began(rank), t)
             break
-        w, x = mine.work, mine.exchanges
-        i = int(np.searchsorted(w.end, t, side="left"))  # the first work ending at or after t
-        if i < len(w.start) and w.start[i] < t:
-            lo, phase, waits = int(w.start[i]), w.phase[i], w.waits[i]
+        w_lo, w_hi, x_lo, x_hi = g.w_at[k], g.w_at[k + 1], g.x_at[k], g.x_at[k + 1]
+        i = bisect_left(w_end, t, w_lo, w_hi)  # the first work ending at or after t
+        if i < w_hi and w_start[i] < t:
+            lo, phase, unit = w_start[i], g.w_phase[i], i
         else:
-            open_ = np.flatnonzero((x.start < t) & (x.end >= t))
-            if not len(open_):  # between units: host overhead
-                last = [e for e in (latest_before(w.end, t), latest_before(x.end, t)) if e is not None]
+            j = bisect_left(x_end, t, x_lo, x_hi)  # the first exchange ending at or after t
+            last = [e for e in (w_end[i - 1] if i > w_lo else None, x_end[j - 1] if j > x_lo else None)
+                    if e is not None]  # when the rank last finished something, work or exchange
+            if j < x_hi and not x_start[j] < t:  # not open at t: is a later-ending one?
+                later = np.flatnonzero(g.x_start_arr[j + 1:x_hi] < t)
+                j = j + 1 + int(later[0]) if len(later) else x_hi
+            if j == x_hi:  # between units: host overhead
                 if not last:
-                    emit(rank, "other", max(starts.get(rank, floor), floor), t)
+                    emit(rank, "other", began(rank), t)
                     break
                 emit(rank, "other", max(last), t)
                 t = max(last)
                 continue
-            j = int(open_[np.argmin(x.end[open_])])  # the exchange being waited on
-            # blocked in it since the rank last finished something, work or another exchange
-            lo = max(e for e in (int(x.start[j]), latest_before(w.end, t), latest_before(x.end, t)) if e is not None)
-            phase, waits = x.phase[j], x.waits[j]
+            # the exchange being waited on, blocked in since the rank last finished something
+            lo, phase, unit = max([x_start[j], *last]), g.x_phase[j], n_work + j
         # a == t: the message arrived the instant the peer posted (no latency), still a wait
-        waited = [(r, a) for r, a in waits if lo < a <= t]
-        if waited:
-            peer, arrival = max(waited, key=lambda p: p[1])
-            emit(rank, phase, arrival, t)
-            rank, t = peer, arrival
+        p = bisect_right(wait_t, t, g.wait_at[unit], g.wait_at[unit + 1]) - 1
+        if p >= g.wait_at[unit] and wait_t[p] > lo:
+            emit(rank, phase, wait_t[p], t)
+            rank, t = g.wait_rank[p], wait_t[p]
         else:
             emit(rank, phase, lo, t)
             t = lo
@@ -220,11 +345,12 @@ def _path(run, step: int, rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> Crit
     by["time_s"] = by.pop("dur_ns") / 1e9
     by["fraction"] = by["time_s"] / (length / 1e9) if length else 0.0
     stages = sorted(int(s) for s in seg.loc[seg["phase"].str.startswith("compute:"), "stage"].unique())
+    mine = g.p2p_step == step
     return CriticalPath(
         step=step, segments=seg, by_rank_phase=by.sort_values("time_s", ascending=False).reset_index(drop=True),
-        length_s=length / 1e9, span_s=(max(w[1] for w in windows.values()) - floor) / 1e9,
-        step_time_s=float(np.median([e - s for s, e in windows.values()])) / 1e9,
-        stages=stages, exchanges=ids,
+        length_s=length / 1e9, span_s=(int(w_last.max()) - floor) / 1e9,
+        step_time_s=float(np.median(w_last - w_first)) / 1e9,
+        stages=stages, exchanges=pd.Series(g.p2p_exchange[mine], index=g.p2p_index[mine], dtype=np.int64),
     )
 
 
@@ -236,20 +362,10 @@ def step_bounds(run) -> list[dict]:
     (no step range on any rank) are left out."""
     if run.layout.pp < 2 or not run.steps:
         return []
-    rows = _main_rows(run)
-    pairs = run.pairs
-    coll = run.collectives
-    by_step = {s: g for s, g in rows.groupby("step", observed=True)}
-    pairs_by = {s: g for s, g in pairs.groupby("step")}
-    coll_by = {s: g for s, g in coll.groupby("step")} if coll is not None else {}
-    out = []
-    for step in run.steps:
-        mine = by_step.get(step)
-        if mine is None or not any(s == step for _, s in run.step_windows):
-            continue
-        path = _path(run, step, mine, pairs_by.get(step, pairs.iloc[:0]), coll_by.get(step))
-        out.append(_bound(path))
-    return out
+    graph = _graph(_main_rows(run), run.pairs, run.collectives)
+    windows = _windows(run)
+    walked = set(graph.steps.tolist()) & set(windows[:, 1].tolist())
+    return [_bound(_path(run, step, graph, windows)) for step in run.steps if step in walked]
 
 
 def _bound(path: CriticalPath) -> dict:

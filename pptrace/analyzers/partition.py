@@ -48,16 +48,19 @@ def partition_step(act: Activity, step: int, window: tuple, pipe: tuple | None,
                    p2p_wait: Intervals, p2p_transfer: Intervals) -> StepPartition:
     start, end = window
     pipe_iv = Intervals.span(*pipe) if pipe else Intervals.empty()
-    order = [("compute", act.compute)]
+    # the rank's whole-run sets cut to this step first: every operation below is then on
+    # one step's intervals
+    compute = act.compute.clip(start, end)
+    comm = {dim: act.comm[dim].clip(start, end) for dim in COMM_DIMS}
+    final = {dim: act.step_final[dim].clip(start, end) for dim in COMM_DIMS}
+    order = [("compute", compute)]
     for dim in COMM_DIMS:
         # The step-final collective blocks while other stages still run the pipeline: that is
         # bubble (contract 3); after the pipeline window it is this dimension's again.
-        order.append((f"{dim}_exposed", act.comm[dim] | (act.step_final[dim] - pipe_iv)))
-    order += [("pp_transfer", p2p_transfer), ("pp_bubble", p2p_wait | pipe_iv)]
+        order.append((f"{dim}_exposed", comm[dim] | (final[dim] - pipe_iv)))
+    order += [("pp_transfer", p2p_transfer.clip(start, end)), ("pp_bubble", p2p_wait.clip(start, end) | pipe_iv)]
     parts = partition((start, end), order, rest="other")
-    hidden = {
-        dim: ((act.comm[dim] | act.step_final[dim]).clip(start, end) & act.compute).total for dim in COMM_DIMS
-    }
+    hidden = {dim: ((comm[dim] | final[dim]) & compute).total for dim in COMM_DIMS}
     return StepPartition(act.rank, step, start, end, parts, hidden)
 
 

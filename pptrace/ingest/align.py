@@ -37,41 +37,91 @@ OFFSET_COLUMNS = ("rank", "offset_ns", "uncertainty_ns", "method", "via")
 SAME_HOST_SLACK_NS = 5_000
 
 
-def _async_key(rank, kind, op, bucket, layer) -> tuple:
-    return (int(rank), str(kind), str(op), None if pd.isna(bucket) else int(bucket),
-            None if pd.isna(layer) else int(layer))
+def _instance_groups(instances: pd.DataFrame, by_rank: bool = False):
+    """The rows of ``instances`` grouped as ``groupby("instance", sort=False)`` meets them:
+    instances in order of first appearance, rows in frame order (or by rank). Returns
+    (row positions, instance of each, start and size of each instance in that order)."""
+    codes, uniques = pd.factorize(instances["instance"].to_numpy())
+    rows = np.flatnonzero(codes >= 0)
+    if by_rank:
+        rows = rows[np.lexsort((instances["rank"].to_numpy(np.int64)[rows], codes[rows]))]
+    else:
+        rows = rows[np.argsort(codes[rows], kind="stable")]
+    group = codes[rows]
+    size = np.bincount(group, minlength=len(uniques))
+    return rows, group, np.cumsum(size) - size, size
+
+
+def _edge_table(instances: pd.DataFrame | None) -> pd.DataFrame:
+    """(a, b, diff = leave_b - leave_a) per edge of each instance, instances in order of
+    first appearance: a star on the lowest rank plus a chain through the ranks, O(group
+    size) edges rather than all pairs."""
+    if instances is None or instances.empty:
+        return pd.DataFrame({c: np.zeros(0, np.int64) for c in ("a", "b", "diff")})
+    rows, group, start, _ = _instance_groups(instances, by_rank=True)
+    rank = instances["rank"].to_numpy(np.int64)[rows]
+    leave = instances["leave_ns"].to_numpy(np.int64)[rows]
+    within = np.arange(len(rows)) - start[group]
+    # the j-th rank of an instance gets an edge from its first rank and, from j = 2 on,
+    # one from rank j - 1 (in that order)
+    count = (within >= 1).astype(np.int64) + (within >= 2)
+    to = np.repeat(np.arange(len(rows)), count)
+    chain = np.arange(len(to)) - np.repeat(np.cumsum(count) - count, count) == 1
+    frm = np.where(chain, to - 1, start[group[to]])
+    return pd.DataFrame({"a": rank[frm], "b": rank[to], "diff": leave[to] - leave[frm]})
+
+
+def _edge_keys(edges: pd.DataFrame):
+    """Code of each edge's (a, b) in order of first appearance, and the count of each."""
+    key = edges.groupby(["a", "b"], sort=False).ngroup().to_numpy()
+    return key, np.bincount(key)
 
 
 def collective_edges(instances: pd.DataFrame, events=None) -> dict:
     """(a, b) -> list of leave_b - leave_a over the given (blocking) instances."""
-    edges: dict = {}
-    if instances is None or instances.empty:
-        return edges
-    for _, rows in instances.groupby("instance", sort=False):
-        if len(rows) < 2:
-            continue
-        ranks = rows["rank"].to_numpy(np.int64)
-        leave = rows["leave_ns"].to_numpy(np.int64)
-        order = np.argsort(ranks)
-        ranks, leave = ranks[order], leave[order]
-        # A star on the lowest rank plus a chain: O(group size) edges, not all pairs.
-        for j in range(1, len(ranks)):
-            for i in {0, j - 1}:
-                edges.setdefault((int(ranks[i]), int(ranks[j])), []).append(int(leave[j] - leave[i]))
-    return edges
+    edges = _edge_table(instances)
+    if edges.empty:
+        return {}
+    key, count = _edge_keys(edges)
+    order = np.argsort(key, kind="stable")
+    cuts = np.cumsum(count)[:-1]
+    first = order[np.r_[0, cuts]]
+    a, b = edges["a"].to_numpy()[first].tolist(), edges["b"].to_numpy()[first].tolist()
+    diffs = np.split(edges["diff"].to_numpy()[order], cuts)
+    return {(x, y): d.tolist() for x, y, d in zip(a, b, diffs)}
 
 
-def _soft_estimates(edges: dict) -> dict:
-    """(a, b) -> (median leave_b - leave_a, spread) from blocking collectives."""
-    out = {}
-    for (a, b), diffs in edges.items():
-        if len(diffs) < MIN_INSTANCES:
-            continue
-        d = np.asarray(diffs, dtype=np.float64)
-        # Half the 10-90% spread: how far one instance's release strays from the median.
-        spread = float(np.percentile(d, 90) - np.percentile(d, 10)) / 2
-        out[(a, b)] = (float(np.median(d)), max(spread, MIN_BOUND_NS))
-    return out
+def _percentile(values: np.ndarray, start: np.ndarray, n: np.ndarray, q: float) -> np.ndarray:
+    """np.percentile(.., q) (its default linear method, its arithmetic) of each sorted run
+    values[start:start + n]."""
+    virtual = (n - 1) * (q / 100)
+    floor = np.floor(virtual)
+    above = virtual >= n - 1
+    lo = np.where(above, n - 1, floor.astype(np.int64))
+    hi = np.where(above, n - 1, lo + 1)
+    a, b, t = values[start + lo], values[start + hi], virtual - floor
+    return np.where(t >= 0.5, b - (b - a) * (1 - t), a + (b - a) * t)
+
+
+def _soft_estimates(edges: pd.DataFrame) -> dict:
+    """(a, b) -> (median leave_b - leave_a, spread) from the edges of blocking collectives
+    (_edge_table), pairs in order of first appearance."""
+    if edges.empty:
+        return {}
+    key, count = _edge_keys(edges)
+    diff = edges["diff"].to_numpy(np.int64)
+    order = np.lexsort((diff, key))
+    values = diff[order].astype(np.float64)
+    trusted = np.flatnonzero(count >= MIN_INSTANCES)
+    n, start = count[trusted], (np.cumsum(count) - count)[trusted]
+    half = start + n // 2
+    median = np.where(n % 2 == 1, values[half], (values[half - 1] + values[half]) / 2)
+    # Half the 10-90% spread: how far one instance's release strays from the median.
+    spread = (_percentile(values, start, n, 90) - _percentile(values, start, n, 10)) / 2
+    first = np.argsort(key, kind="stable")[(np.cumsum(count) - count)[trusted]]
+    a, b = edges["a"].to_numpy()[first].tolist(), edges["b"].to_numpy()[first].tolist()
+    return {(x, y): (m, max(s, MIN_BOUND_NS))
+            for x, y, m, s in zip(a, b, median.tolist(), spread.tolist())}
 
 
 def hard_constraints(instances: pd.DataFrame | None, pairs: pd.DataFrame | None, events) -> dict:
@@ -81,12 +131,14 @@ def hard_constraints(instances: pd.DataFrame | None, pairs: pd.DataFrame | None,
     - blocking collectives: nobody leaves before everybody arrived, so for ranks a, b of an
       instance, leave_b >= arrive_a on true time.
     """
-    cons: dict = {}
+    return _constraints(_blocking(instances, events), pairs)
 
-    def add(a, b, c):
-        if a != b and c < cons.get((a, b), np.inf):
-            cons[(a, b)] = c
 
+def _constraints(blocking: pd.DataFrame | None, pairs: pd.DataFrame | None) -> dict:
+    """hard_constraints from the blocking instances (_blocking). Keys in the order they are
+    first met (p2p pairs by (src, dst), then instances in order), each with its tightest c;
+    a rank is never constrained against itself."""
+    found = []  # (a, b, c) arrays
     if pairs is not None and len(pairs) and "kind" in pairs.columns:
         # Only pipeline ranges span posting to completion (contract 1). CP's ring exchange is
         # posted async and completed by a later cp:wait, so its recv range ends before the
@@ -95,20 +147,45 @@ def hard_constraints(instances: pd.DataFrame | None, pairs: pd.DataFrame | None,
     if pairs is not None and len(pairs):
         slack = (pairs["recv_end_ns"] - pairs["send_start_ns"]).to_numpy(np.int64)
         frame = pd.DataFrame({"src": pairs["src"].to_numpy(), "dst": pairs["dst"].to_numpy(), "c": slack})
-        for (src, dst), c in frame.groupby(["src", "dst"])["c"].min().items():
-            add(int(src), int(dst), float(c))
-    for _, rows in _blocking(instances, events).groupby("instance", sort=False):
-        ranks = rows["rank"].to_numpy(np.int64)
-        arrive, leave = rows["arrive_ns"].to_numpy(np.int64), rows["leave_ns"].to_numpy(np.int64)
-        if len(ranks) < 2 or not rows["op"].iloc[0] in _SYNCHRONIZING_OPS:
-            continue
-        # All pairs for small groups; for big ones each rank against the last arrival.
-        partners = range(len(ranks)) if len(ranks) <= 16 else [int(np.argmax(arrive))]
-        for i in range(len(ranks)):
-            for j in partners:
-                add(int(ranks[i]), int(ranks[j]), float(leave[j] - arrive[i]))
-                add(int(ranks[j]), int(ranks[i]), float(leave[i] - arrive[j]))
-    return cons
+        tight = frame.groupby(["src", "dst"])["c"].min()
+        found.append((tight.index.get_level_values(0).to_numpy(np.int64),
+                      tight.index.get_level_values(1).to_numpy(np.int64), tight.to_numpy(np.int64)))
+    if blocking is not None and len(blocking):
+        found.append(_collective_constraints(blocking))
+    if not found:
+        return {}
+    a, b, c = (np.concatenate(parts) for parts in zip(*found))
+    keep = a != b
+    tight = pd.DataFrame({"a": a[keep], "b": b[keep], "c": c[keep]}).groupby(["a", "b"], sort=False)["c"].min()
+    keys = zip(tight.index.get_level_values(0).tolist(), tight.index.get_level_values(1).tolist())
+    return dict(zip(keys, tight.to_numpy(np.float64).tolist()))
+
+
+def _collective_constraints(blocking: pd.DataFrame):
+    """(a, b, leave_b - arrive_a) for ranks a, b of each synchronizing instance (the op of its
+    first row decides): all ordered pairs (i, j), each giving i -> j then j -> i, for groups
+    of up to 16; for bigger ones each rank against the last arrival (the first on ties)."""
+    rows, group, start, size = _instance_groups(blocking)
+    if not len(rows):
+        return (np.zeros(0, np.int64),) * 3
+    rank = blocking["rank"].to_numpy(np.int64)[rows]
+    arrive = blocking["arrive_ns"].to_numpy(np.int64)[rows]
+    leave = blocking["leave_ns"].to_numpy(np.int64)[rows]
+    syncing = blocking["op"].isin(sorted(_SYNCHRONIZING_OPS)).to_numpy()[rows][start]
+    latest = np.maximum.reduceat(arrive, start)
+    at_latest = np.flatnonzero(arrive == latest[group])
+    firsts = np.r_[True, group[at_latest][1:] != group[at_latest][:-1]]
+    last = np.zeros(len(size), np.int64)
+    last[group[at_latest[firsts]]] = at_latest[firsts]
+    small = size <= 16
+    count = np.where((size >= 2) & syncing, np.where(small, size, 1), 0)[group]
+    i = np.repeat(np.arange(len(rows)), count)
+    k = np.arange(len(i)) - np.repeat(np.cumsum(count) - count, count)
+    j = np.where(small[group[i]], start[group[i]] + k, last[group[i]])
+    a = np.column_stack([rank[i], rank[j]]).ravel()
+    b = np.column_stack([rank[j], rank[i]]).ravel()
+    c = np.column_stack([leave[j] - arrive[i], leave[i] - arrive[j]]).ravel()
+    return a, b, c
 
 
 def _bounds_from(reference: int, cons: dict, nodes) -> tuple[dict, bool]:
@@ -134,18 +211,34 @@ _SYNCHRONIZING_OPS = frozenset({
 })
 
 
-def _waits(events: pd.DataFrame) -> pd.DataFrame:
-    """Wait ranges with the key of the async collective they complete."""
+def _str_of(values) -> np.ndarray:
+    """str() of each value, once per distinct value; nulls (rare) one by one, as None, NaN and
+    NA spell differently."""
+    values = pd.Series(values).astype(object)
+    codes, uniques = pd.factorize(values)
+    out = np.array([str(u) for u in uniques] + [""], dtype=object)[codes]
+    missing = codes < 0
+    out[missing] = [str(v) for v in values[missing]]
+    return out
+
+
+def _wait_ops(tags) -> np.ndarray:
+    """str() of the ``op`` tag of each wait range ("None" without one), parsed once per
+    distinct tags text."""
     from .schema import tags_of
 
-    w = events[(events["op"] == "wait").to_numpy()]
-    ops = [tags_of(t).get("op") if isinstance(t, str) else None for t in w["tags"].astype(object)]
-    keys = [
-        _async_key(r, k, o, b, lay)
-        for r, k, o, b, lay in zip(w["rank"], w["kind"].astype(str), ops, w["bucket"], w["layer"])
-    ]
-    return pd.DataFrame({"key": keys, "step": w["step"].to_numpy(), "start": w["start_ns"].to_numpy(),
-                         "wait_end": w["end_ns"].to_numpy(np.int64)})
+    codes, uniques = pd.factorize(pd.Series(tags).astype(object))
+    ops = [str(tags_of(t).get("op") if isinstance(t, str) else None) for t in uniques]
+    return np.array([*ops, "None"], dtype=object)[codes]
+
+
+def _async_keys(parts) -> list[np.ndarray]:
+    """One code per (rank, kind, op, bucket, layer) across the given key columns, equal
+    codes for equal keys (missing bucket and layer equal each other)."""
+    keys = pd.concat([pd.DataFrame({"rank": rank, "kind": kind, "op": op, "bucket": bucket, "layer": layer})
+                      for rank, kind, op, bucket, layer in parts], ignore_index=True)
+    code = keys.groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
+    return np.split(code, np.cumsum([len(p[0]) for p in parts])[:-1])
 
 
 def _blocking(instances, events) -> pd.DataFrame:
@@ -156,18 +249,20 @@ def _blocking(instances, events) -> pd.DataFrame:
     if instances is None or instances.empty or events is None:
         return instances if instances is not None else pd.DataFrame(
             columns=["instance", "rank", "op", "arrive_ns", "leave_ns"])
-    waits = _waits(events)
-    if waits.empty:
+    w = events[(events["op"] == "wait").to_numpy()]
+    if w.empty:
         return instances
     idx = instances["index"].to_numpy()
-    bucket = events["bucket"].to_numpy(dtype=object, na_value=None)[idx]
-    layer = events["layer"].to_numpy(dtype=object, na_value=None)[idx]
-    keys = [
-        _async_key(r, k, o, b, lay)
-        for r, k, o, b, lay in zip(instances["rank"], instances["kind"], instances["op"], bucket, layer)
-    ]
-    wait_keys = set(waits["key"])
-    inst = instances.assign(key=keys, is_async=[k in wait_keys for k in keys])
+    # an async key: (rank, kind, op, bucket, layer), kind and op spelt by str()
+    wait_key, inst_key = _async_keys([
+        (w["rank"].to_numpy(np.int64), _str_of(w["kind"].astype(str)), _wait_ops(w["tags"]),
+         w["bucket"].astype("Int64").array, w["layer"].astype("Int64").array),
+        (instances["rank"].to_numpy(np.int64), _str_of(instances["kind"]), _str_of(instances["op"]),
+         events["bucket"].astype("Int64").array[idx], events["layer"].astype("Int64").array[idx]),
+    ])
+    waits = pd.DataFrame({"key": wait_key, "step": w["step"].to_numpy(), "start": w["start_ns"].to_numpy(),
+                          "wait_end": w["end_ns"].to_numpy(np.int64)})
+    inst = instances.assign(key=inst_key, is_async=np.isin(inst_key, wait_key))
     calls = inst[inst["is_async"]].sort_values("arrive_ns", kind="stable")
     calls = calls.assign(occ=calls.groupby(["key", "step"], sort=False).cumcount())
     waits = waits.sort_values("start", kind="stable")
@@ -175,7 +270,7 @@ def _blocking(instances, events) -> pd.DataFrame:
     done = calls.merge(waits[["key", "step", "occ", "wait_end"]], on=["key", "step", "occ"], how="left")
     done.index = calls.index
     inst.loc[done.index, "leave_ns"] = done["wait_end"].fillna(-1).astype(np.int64).to_numpy()
-    bad = set(inst.loc[inst["leave_ns"] < 0, "instance"])
+    bad = inst.loc[inst["leave_ns"] < 0, "instance"].unique()
     return inst[~inst["instance"].isin(bad)].drop(columns=["key", "is_async"])
 
 
@@ -257,7 +352,8 @@ def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=N
     if not ranks:
         return pd.DataFrame(columns=list(OFFSET_COLUMNS)), warnings
     reference = ranks[0] if reference is None else int(reference)
-    cons = hard_constraints(instances, pairs, events)
+    blocking = _blocking(instances, events)
+    cons = _constraints(blocking, pairs)
     same_host = _same_host_offsets(ranks, hosts, cons)
     if same_host is not None:
         return same_host, warnings
@@ -270,8 +366,7 @@ def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=N
             "during profiling, or mismatched ranges); offsets use collective medians only"
         )
         upper, lower_neg = {reference: 0.0}, {reference: 0.0}
-    soft = _soft_offsets(reference, _soft_estimates(collective_edges(_blocking(instances, events), events)
-                                                     if events is not None else {}))
+    soft = _soft_offsets(reference, _soft_estimates(_edge_table(blocking)) if events is not None else {})
     rows = []
     for rank in ranks:
         hi = upper.get(rank, np.inf)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .intervals import union
+from .intervals import union_by_group
 
 #: What :func:`wait_transfer` adds to pairs.
 TIMED_COLUMNS = ("wait_ns", "transfer_ns", "send_exchange", "recv_exchange")
@@ -183,5 +183,8 @@ def busy_intervals(events: pd.DataFrame) -> dict:
     if on_gpu(events):
         return {}
     sel = events[(events["category"] == "compute").to_numpy() & (events["lane_kind"] == "host").to_numpy()]
-    return {int(r): union(g["start_ns"].to_numpy(), g["end_ns"].to_numpy())
-            for r, g in sel.groupby("rank", observed=True)}
+    if sel.empty:
+        return {}
+    ranks, lane = np.unique(sel["rank"].to_numpy(), return_inverse=True)
+    busy = union_by_group(len(ranks), lane, sel["start_ns"].to_numpy(np.int64), sel["end_ns"].to_numpy(np.int64))
+    return {int(r): iv for r, iv in zip(ranks, busy)}

@@ -47,6 +47,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from .intervals import union
+from .nccl import lane_keys
 from .schema import tags_of
 from ..topology import Layout
 from ..vocab import BWD, DIRECTION_OF, FWD, GPIPE, INTERLEAVED, LAYOUT_ORDERS, ONE_F_ONE_B, OP_OF_ACTION, PASS_OPS
@@ -338,7 +339,8 @@ def _chains(ops: pd.DataFrame):
     sends = first_step[first_step["is_send"]]
     if (sends["dir"] == "fwd").any():
         sends = sends[sends["dir"] == "fwd"]
-    nxt = {int(r): int(p) for r, p in sends.sort_values("start_ns").groupby("rank")["peer"].first().items()}
+    first_send = sends.sort_values("start_ns").groupby("rank")["peer"].first()
+    nxt = dict(zip(first_send.index.astype(int).tolist(), first_send.astype(int).tolist()))
     ranks = set(int(r) for r in ops["rank"].unique()) | set(nxt.values())
     chains, seen = [], set()
     for head in heads:
@@ -433,25 +435,17 @@ def _named_passes(rows: pd.DataFrame, work: pd.DataFrame, pp: int) -> pd.DataFra
     # a pass waits for its inputs (recvs) first and posts its outputs (sends) last
     recvs = rows[rows["kind"].isin(["wire", "post"]) & ~rows["send"].to_numpy(bool)]
     sends = rows[(rows["kind"] == "post") & rows["send"].to_numpy(bool)]
-    start = named["start_ns"].to_numpy(np.int64).copy()
-    end = named["end_ns"].to_numpy(np.int64).copy()
+    start = named["start_ns"].to_numpy(np.int64)
+    end = named["end_ns"].to_numpy(np.int64)
     rank = named["rank"].to_numpy()
     # an OVERLAP_F_B's forward part ends with the wait for its backward's input: its ops
     # alone bound it
     own = ~named["overlap"].fillna(False).to_numpy(bool) if "overlap" in named else np.ones(len(named), bool)
-    for r in np.unique(rank):
-        mine = rank == r
-        ends = np.sort(recvs.loc[recvs["rank"] == r, "end_ns"].to_numpy(np.int64))
-        if len(ends):
-            last = np.searchsorted(ends, end[mine], side="right") - 1  # the last recv end <= range end
-            got = ends[np.clip(last, 0, None)]
-            start[mine] = np.where((last >= 0) & (got > start[mine]) & own[mine], got, start[mine])
-        posted = np.sort(sends.loc[sends["rank"] == r, "start_ns"].to_numpy(np.int64))
-        if len(posted):
-            nxt = np.searchsorted(posted, start[mine], side="left")
-            got = posted[np.clip(nxt, 0, len(posted) - 1)]
-            end[mine] = np.where((nxt < len(posted)) & (got < end[mine]), got, end[mine])
-        start[mine], end[mine] = _to_ops(work[work["rank"] == r], start[mine], end[mine])
+    found, got = _nearest(recvs, "end_ns", rank, end, after=False)  # the last recv of the rank ending by then
+    start = np.where(found & (got > start) & own, got, start)
+    found, got = _nearest(sends, "start_ns", rank, start, after=True)  # its first send posted from then on
+    end = np.where(found & (got < end), got, end)
+    start, end = _to_ops(work, rank, start, end)
     stage = named["stage"].to_numpy(np.int64)
     return pd.DataFrame({
         "rank": rank, "pid": named["pid"].to_numpy(), "tid": named["tid"].to_numpy(), "step": named["step"].to_numpy(),
@@ -460,16 +454,26 @@ def _named_passes(rows: pd.DataFrame, work: pd.DataFrame, pp: int) -> pd.DataFra
     })[_PASS_COLUMNS]
 
 
-def _to_ops(work: pd.DataFrame, start: np.ndarray, end: np.ndarray) -> tuple:
-    """Spans cut to the ops inside them (unchanged where none is)."""
-    starts, ends = np.sort(work["start_ns"].to_numpy(np.int64)), np.sort(work["end_ns"].to_numpy(np.int64))
-    if not len(starts):
-        return start, end
-    i = np.searchsorted(starts, start, side="left")
-    first = starts[np.clip(i, 0, len(starts) - 1)]
-    j = np.searchsorted(ends, end, side="right") - 1
-    last = ends[np.clip(j, 0, None)]
-    ok = (i < len(starts)) & (j >= 0) & (first < end) & (last > start) & (first < last)
+def _nearest(frame: pd.DataFrame, column: str, rank: np.ndarray, t: np.ndarray, after: bool) -> tuple:
+    """Per query (rank, time t): of the values of ``column`` of the rows of its rank, the
+    first at or after t (``after``), else the last at or before t -> (found, value)."""
+    mine, values = frame["rank"].to_numpy(np.int64), frame[column].to_numpy(np.int64)
+    if not len(values):
+        return np.zeros(len(t), bool), np.asarray(t, np.int64)
+    order = np.lexsort((values, mine))
+    mine, values = mine[order], values[order]
+    key, q_key = lane_keys([mine, np.asarray(rank, np.int64)], [values, t])
+    i = np.searchsorted(key, q_key, side="left") if after else np.searchsorted(key, q_key, side="right") - 1
+    k = np.clip(i, 0, len(values) - 1)
+    return (i >= 0) & (i < len(values)) & (mine[k] == rank), values[k]
+
+
+def _to_ops(work: pd.DataFrame, rank: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple:
+    """Spans cut to the ops of their rank inside them, from the first op start in the span
+    to the last op end in it (unchanged where none is)."""
+    has_first, first = _nearest(work, "start_ns", rank, start, after=True)
+    has_last, last = _nearest(work, "end_ns", rank, end, after=False)
+    ok = has_first & has_last & (first < end) & (last > start) & (first < last)
     return np.where(ok, first, start), np.where(ok, last, end)
 
 
@@ -477,24 +481,39 @@ def _split_overlaps(overlap: pd.DataFrame, work: pd.DataFrame) -> pd.DataFrame:
     """DualPipeV's ``PP:(1F6;6B2)OVERLAP_F_B`` runs its forward, then its backward (each
     after waiting for its own input): one named range per sub-action, split at the first
     autograd op inside (all forward when there is none)."""
-    out = []
-    auto = work[work["auto"].to_numpy(bool)]
-    for r, group in overlap.groupby("rank"):
-        starts = np.sort(auto.loc[auto["rank"] == r, "start_ns"].to_numpy(np.int64))
-        ends = group["end_ns"].to_numpy(np.int64)
-        i = np.searchsorted(starts, group["start_ns"].to_numpy(np.int64), side="left")
-        cut = starts[np.clip(i, 0, len(starts) - 1)] if len(starts) else ends
-        cut = np.where((i < len(starts)) & (cut < ends), cut, ends)
-        for row, c in zip(group.itertuples(index=False), cut):  # a handful per step
-            subs = _overlap_parts(str(row.name))
-            fwd = [x for x in subs if x[1] == "F"][:1]
-            bwd = [x for x in subs if x[1] != "F"][:1]
-            for sub, s, e in ((fwd, row.start_ns, c), (bwd, c, row.end_ns)):
-                if sub and e > s:
-                    out.append({"rank": r, "pid": row.pid, "tid": row.tid, "step": row.step, "start_ns": int(s),
-                                "end_ns": int(e), "kind": "pass", "stage": sub[0][0], "act": sub[0][1], "mb": sub[0][2],
-                                "overlap": True})
-    return pd.DataFrame(out)
+    rank = overlap["rank"].to_numpy(np.int64)
+    start, end = overlap["start_ns"].to_numpy(np.int64), overlap["end_ns"].to_numpy(np.int64)
+    found, first_auto = _nearest(work[work["auto"].to_numpy(bool)], "start_ns", rank, start, after=True)
+    cut = np.where(found & (first_auto < end), first_auto, end)
+    # its forward and its backward: the first sub-action of each kind in its name
+    subs = pd.Series(overlap["name"].to_numpy(object)).str.split(")").str[0].str.extractall(_SUB)
+    subs.columns = ["stage", "act", "mb"]
+    is_f = (subs["act"] == "F").to_numpy()
+    parts = pd.concat([subs[is_f].groupby(level=0).first().add_prefix("f_"),
+                       subs[~is_f].groupby(level=0).first().add_prefix("b_")], axis=1)
+    parts = parts.reindex(range(len(overlap))).fillna({"f_act": "", "b_act": ""})
+    n = len(overlap)
+    side = np.repeat([0, 1], n)  # forward part, then backward part
+    at = np.tile(np.arange(n), 2)
+    keep = np.concatenate([(parts["f_act"].to_numpy(object) != "") & (cut > start),
+                           (parts["b_act"].to_numpy(object) != "") & (end > cut)])
+    # by rank, then as listed, each range's forward part first
+    order = np.lexsort((side, at, rank[at]))
+    order = order[keep[order]]
+    side, at = side[order], at[order]
+    if not len(at):
+        return pd.DataFrame()
+
+    def pick(fwd_column, bwd_column):
+        return np.where(side == 0, parts[fwd_column].to_numpy()[at], parts[bwd_column].to_numpy()[at])
+
+    return pd.DataFrame({
+        "rank": rank[at], "pid": overlap["pid"].to_numpy(np.int64)[at], "tid": overlap["tid"].to_numpy(np.int64)[at],
+        "step": overlap["step"].to_numpy(np.int64)[at],
+        "start_ns": np.where(side == 0, start[at], cut[at]), "end_ns": np.where(side == 0, cut[at], end[at]),
+        "kind": "pass", "stage": pick("f_stage", "b_stage").astype(np.int64), "act": pick("f_act", "b_act"),
+        "mb": pick("f_mb", "b_mb").astype(np.int64), "overlap": True,
+    })
 
 
 def _passes_between_posts(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFrame,
@@ -506,65 +525,76 @@ def _passes_between_posts(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFr
     its last. A forward must hand its output on: a send posted next, or a backward right
     after it (the last stage); other runs of ops are not passes (set-up before a recv, the
     optimizer after the step's last post)."""
-    ranks = rows["rank"].unique()
+    ranks = np.unique(rows["rank"].to_numpy())
+    ranks = ranks[np.isin(ranks, steps["rank"].to_numpy()) & np.isin(ranks, work["rank"].to_numpy())]
     post_dirs = dict(zip(ops["post_index"], ops["dir"])) if len(ops) else {}
-    out = [_rank_passes(r, steps[steps["rank"] == r], rows[rows["rank"] == r], work[work["rank"] == r], post_dirs)
-           for r in ranks]
-    out = [p for p in out if p is not None and len(p)]
-    if not out:
+    passes = _ops_passes(ranks, steps[steps["rank"].isin(ranks).to_numpy()],
+                         rows[(rows["kind"] == "post").to_numpy() & rows["rank"].isin(ranks).to_numpy()],
+                         work[work["rank"].isin(ranks).to_numpy()], post_dirs)
+    if passes.empty:
         return pd.DataFrame(columns=_PASS_COLUMNS)
-    passes = _one_forward_per_backward(pd.concat(out, ignore_index=True))
+    passes = _one_forward_per_backward(passes)
     passes = passes.sort_values(["rank", "start_ns"], kind="stable")
     passes["mb"] = passes.groupby(["rank", "step", "op"]).cumcount().to_numpy()
     passes.attrs["by_order"] = True
     return passes[_PASS_COLUMNS].reset_index(drop=True)
 
 
-def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFrame, post_dirs: dict):
-    if steps.empty or work.empty:
-        return None
-    posts = rows[rows["kind"] == "post"]
-    # cuts in time order: posts (1 = send, 2 = recv) and zero-length step starts (0) / ends (3)
+def _ops_passes(ranks: np.ndarray, steps: pd.DataFrame, posts: pd.DataFrame, work: pd.DataFrame,
+                post_dirs: dict) -> pd.DataFrame:
+    """The passes of _passes_between_posts, every rank at once (``ranks``: sorted, each with
+    steps and ops), with ``unsure`` forwards. Each rank's timeline is cut at its posts and
+    step bounds: the cuts of all ranks lie in one array, by rank, then time, and the
+    interval after a cut is the stretch up to its rank's next cut."""
+    def lane(frame):
+        return np.searchsorted(ranks, frame["rank"].to_numpy())
+
+    # cuts in time order: posts (1 a forward send, 4 a backward send, 5 a send of unknown
+    # direction, 2 a recv) and zero-length step starts (0) / ends (3)
     st0, st1 = steps["start_ns"].to_numpy(np.int64), steps["end_ns"].to_numpy(np.int64)
-    cut_s = np.concatenate([posts["start_ns"].to_numpy(np.int64), st0, st1])
-    cut_e = np.concatenate([posts["end_ns"].to_numpy(np.int64), st0, st1])
-    # posts: 1 a forward send, 4 a backward send, 5 a send of unknown direction, 2 a recv
     post_dir = posts.index.map(post_dirs).to_numpy(object) if post_dirs else np.full(len(posts), "", dtype=object)
     send_k = np.where(post_dir == "fwd", 1, np.where(post_dir == "bwd", 4, 5))
     post_k = np.where(posts["send"].to_numpy(bool), send_k, 2)
+    cut_r = np.concatenate([lane(posts), lane(steps), lane(steps)])
+    cut_s = np.concatenate([posts["start_ns"].to_numpy(np.int64), st0, st1])
+    cut_e = np.concatenate([posts["end_ns"].to_numpy(np.int64), st0, st1])
     cut_k = np.concatenate([post_k, np.zeros(len(st0), int), np.full(len(st1), 3)])
-    order = np.lexsort((cut_k, cut_s))
-    cut_s, cut_e, cut_k = cut_s[order], cut_e[order], cut_k[order]
-    n_iv = len(cut_s) - 1  # interval i: from cut i's end to cut i+1's start
-    if n_iv < 1:
-        return None
+    order = np.lexsort((cut_k, cut_s, cut_r))
+    cut_r, cut_s, cut_e, cut_k = cut_r[order], cut_s[order], cut_e[order], cut_k[order]
+    first_cut = np.searchsorted(cut_r, np.arange(len(ranks)), side="left")
+    end_cut = np.searchsorted(cut_r, np.arange(len(ranks)), side="right")
+    # interval i: from cut i's end to cut i+1's start (within one rank)
     iv_s, iv_e = cut_e[:-1], cut_s[1:]
+    w_r = lane(work)
     ws, we = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
-    iv = np.clip(np.searchsorted(cut_s, ws, side="right") - 1, 0, n_iv - 1)
-    ok = (ws >= iv_s[iv]) & (we <= iv_e[iv]) & (cut_k[iv] != 3) & (cut_k[iv + 1] != 0)
-    # an op is backward when it is an autograd op or inside one
+    cut_key, w_key = lane_keys([cut_r, w_r], [cut_s, ws])
+    iv = np.clip(np.searchsorted(cut_key, w_key, side="right") - 1, first_cut[w_r], end_cut[w_r] - 2)
+    ok = (end_cut[w_r] - first_cut[w_r] >= 2) & (ws >= iv_s[iv]) & (we <= iv_e[iv]) & (cut_k[iv] != 3) \
+        & (cut_k[iv + 1] != 0)
+    # an op is backward when it is an autograd op or inside one (of its rank)
     is_auto = work["auto"].to_numpy(bool)
-    auto_s = np.sort(ws[is_auto])
-    auto_e = we[is_auto][np.argsort(ws[is_auto], kind="stable")]
-    j = np.searchsorted(auto_s, ws, side="right") - 1
-    if len(auto_e):
-        in_auto = (j >= 0) & (we <= np.maximum.accumulate(auto_e)[np.clip(j, 0, None)])
-    else:
-        in_auto = np.zeros(len(ws), bool)
+    a_order = np.lexsort((ws[is_auto], w_r[is_auto]))
+    a_r, a_s, a_e = w_r[is_auto][a_order], ws[is_auto][a_order], we[is_auto][a_order]
+    in_auto = np.zeros(len(ws), bool)
+    if len(a_s):
+        a_s_key, a_e_key, s_key, e_key = lane_keys([a_r, a_r, w_r, w_r], [a_s, a_e, ws, we])
+        reach = np.maximum.accumulate(a_e_key)  # a rank's keys exceed those before: stays in its rank
+        j = np.searchsorted(a_s_key, s_key, side="right") - 1
+        k = np.clip(j, 0, None)
+        in_auto = (j >= 0) & (a_r[k] == w_r) & (e_key <= reach[k])
     iv, ws, we, in_auto = iv[ok], ws[ok], we[ok], in_auto[ok]
     if not len(iv):
-        return None
+        return pd.DataFrame()
     o = np.lexsort((ws, iv))
     iv, ws, we, in_auto = iv[o], ws[o], we[o], in_auto[o]
     # a batch of posts: consecutive posts with no op between them; what the one after each
     # interval sends: 1 a forward output, 2 a backward output (to an earlier stage)
-    has_ops = np.zeros(n_iv, bool)
+    has_ops = np.zeros(len(iv_s), bool)
     has_ops[np.unique(iv)] = True
-    batch = np.cumsum(np.r_[True, has_ops | (cut_k[:-1] == 0) | (cut_k[:-1] == 3)])
-    sends = pd.DataFrame({"b": batch, "fwd": np.isin(cut_k, (1, 5)), "bwd": cut_k == 4, "known": cut_k == 1})
-    fwd_next = sends.groupby("b")["fwd"].transform("any").to_numpy()
-    known_fwd_next = sends.groupby("b")["known"].transform("any").to_numpy()
-    bwd_next = sends.groupby("b")["bwd"].transform("any").to_numpy()
+    batch = np.cumsum(np.r_[True, has_ops | (cut_k[:-1] == 0) | (cut_k[:-1] == 3) | (cut_r[:-1] != cut_r[1:])])
+    sends = pd.DataFrame({"fwd": np.isin(cut_k, (1, 5)), "bwd": cut_k == 4, "known": cut_k == 1})
+    sends = sends.groupby(batch).transform("any")
+    fwd_next, bwd_next, known_fwd_next = (sends[c].to_numpy(bool) for c in ("fwd", "bwd", "known"))
     runs = _runs(iv, ws, we, in_auto)
     # ops after a backward that end in a backward send belong to that backward (the last
     # stage hands its input grad on)
@@ -586,10 +616,20 @@ def _rank_passes(rank, steps: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFra
     setup = (cut_k[r_iv] == 0) & ~fwd_next[r_iv + 1]
     unsure = ~r_auto & ~sure & ~setup & (cut_k[r_iv + 1] != 3)
     sel = (r_auto | sure | unsure) & (r_last > r_first)
+    r_lane = cut_r[r_iv[sel]]
+    # the rank's thread: that of its first op
+    _, first_op = np.unique(w_r, return_index=True)
+    # the step: of the rank's last step starting by the pass's start (its first step if none)
+    s_order = np.lexsort((st0, lane(steps)))
+    s_lane, s_start = lane(steps)[s_order], st0[s_order]
+    s_key, q_key = lane_keys([s_lane, r_lane], [s_start, r_first[sel]])
+    at = np.clip(np.searchsorted(s_key, q_key, side="right") - 1, np.searchsorted(s_lane, r_lane, side="left"),
+                 np.searchsorted(s_lane, r_lane, side="right") - 1)
     return pd.DataFrame({
-        "rank": rank, "pid": int(work["pid"].iloc[0]), "tid": int(work["tid"].iloc[0]),
-        "step": _step_of(steps, r_first[sel]), "start_ns": r_first[sel], "end_ns": r_last[sel],
-        "op": np.where(r_auto[sel], BWD, FWD), "chunk": 0, "unsure": unsure[sel],
+        "rank": ranks[r_lane], "pid": work["pid"].to_numpy(np.int64)[first_op][r_lane],
+        "tid": work["tid"].to_numpy(np.int64)[first_op][r_lane], "step": steps["step"].to_numpy()[s_order][at],
+        "start_ns": r_first[sel], "end_ns": r_last[sel], "op": np.where(r_auto[sel], BWD, FWD), "chunk": 0,
+        "unsure": unsure[sel],
     })
 
 
@@ -622,13 +662,6 @@ def _runs(iv: np.ndarray, ws: np.ndarray, we: np.ndarray, auto: np.ndarray) -> d
         "last": np.maximum.reduceat(we, at),
         "first_in_iv": np.r_[True, r_iv[1:] != r_iv[:-1]], "last_in_iv": np.r_[r_iv[1:] != r_iv[:-1], True],
     }
-
-
-def _step_of(steps: pd.DataFrame, t: np.ndarray) -> np.ndarray:
-    s = steps.sort_values("start_ns")
-    starts = s["start_ns"].to_numpy(np.int64)
-    i = np.clip(np.searchsorted(starts, t, side="right") - 1, 0, len(starts) - 1)
-    return s["step"].to_numpy()[i]
 
 
 # -------------------------------------------------------------------------------------------
@@ -685,50 +718,59 @@ def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict, candidates=No
     from ..whatif.schedules import schedule_table
 
     order = passes.sort_values(["rank", "step", "start_ns"], kind="stable").reset_index(drop=True)
-    groups = {k: g.index.to_numpy() for k, g in order.groupby(["rank", "step"])}
-    seqs = {k: "".join("F" if o == "fwd" else "B" for o in order.loc[idx, "op"]) for k, idx in groups.items()}
-    n_f = max(seq.count("F") for seq in seqs.values())
+    # each (rank, step) runs the order of forwards (F) and backwards (B) of its stage's table
+    act = np.where(order["op"].to_numpy(object) == "fwd", "F", "B")
+    by_step = order.groupby(["rank", "step"], sort=False)
+    at = by_step.cumcount().to_numpy()  # the place in its step
+    length = by_step["op"].transform("size").to_numpy()
+    n_f = int(pd.Series(act == "F").groupby([order["rank"], order["step"]]).sum().max())
     if candidates is None:
         candidates = [(ONE_F_ONE_B, 1), (GPIPE, 1)]
         candidates += [(INTERLEAVED, v) for v in (2, 3, 4) if n_f % v == 0 and (n_f // v) % pp == 0]
+    ranks = order["rank"].unique()
+    if not all(int(r) in stage_of for r in ranks):
+        return None
+    stage = order["rank"].map(stage_of).to_numpy(np.int64)
+    stages = np.unique(stage)
     for name, v in candidates:
         if n_f % v:
             continue
         m = n_f // v
-        try:
-            tables = {r: schedule_table(name, pp, stage_of[r], m, v) for r, _ in seqs if r in stage_of}
+        try:  # one table per stage: (action, mb, chunk) in the order the stage runs them
+            tables = [pd.DataFrame(schedule_table(name, pp, int(s), m, v), columns=["act", "mb", "chunk"],
+                                   dtype=object) for s in stages]
         except ValueError:
             continue
-        if len(tables) < len({r for r, _ in seqs}) or any(
-                seq != "".join(a for a, _, _ in tables[r]) for (r, _), seq in seqs.items()):
+        sizes = np.array([len(t) for t in tables])
+        table = pd.concat(tables, ignore_index=True)
+        k = np.searchsorted(stages, stage)
+        row = np.r_[0, np.cumsum(sizes)][k] + at  # the table row of each pass (where in range)
+        fits = (length == sizes[k]) & (at < sizes[k])
+        if not fits.all() or (table["act"].to_numpy(object)[row] != act).any():
             continue
-        mb, chunk = order["mb"].to_numpy(np.int64).copy(), order["chunk"].to_numpy(np.int64).copy()
-        for (r, _), idx in groups.items():
-            mb[idx] = [j for _, j, _ in tables[r]]
-            chunk[idx] = [c for _, _, c in tables[r]]
-        return name, v, order.assign(mb=mb, chunk=chunk)
+        return name, v, order.assign(mb=table["mb"].to_numpy(np.int64)[row],
+                                     chunk=table["chunk"].to_numpy(np.int64)[row])
     return None
 
 
 def _pp_schedule(named: pd.DataFrame, kinds: set, pp, v: int) -> str:
-    stages = named.groupby("rank")["stage"].agg(lambda s: tuple(sorted(set(s))))
-    if v == 2 and pp and all(len(s) == 2 and s[0] + s[1] == 2 * pp - 1 for s in stages):
+    # a V (ZBV, DualPipeV): every rank holds two stages, s and 2 pp - 1 - s
+    stages = named[["rank", "stage"]].drop_duplicates().groupby("rank")["stage"].agg(["size", "sum"])
+    if v == 2 and pp and ((stages["size"] == 2) & (stages["sum"] == 2 * pp - 1)).all():
         return "ScheduleDualPipeV" if "overlap" in kinds else "ScheduleZBVZeroBubble"
     if v == 1:
         return "Schedule1F1B"
     if set(named["act"]) & {"I", "W"}:
         return "ScheduleInterleavedZeroBubble"
     # LoopedBFS runs every forward of a stage before the next stage's, all before any backward
-    bfs = True
-    for _, g in named.sort_values("start_ns").groupby(["rank", "step"]):
-        acts, st = g["act"].to_numpy(), g["stage"].to_numpy()
-        f_st = st[acts == "F"]
-        last_f = np.flatnonzero(acts == "F").max(initial=-1)
-        first_b = np.flatnonzero(acts == "B").min(initial=len(acts))
-        if last_f > first_b or (np.diff(f_st) < 0).any():
-            bfs = False
-            break
-    return "ScheduleLoopedBFS" if bfs else "ScheduleInterleaved1F1B"
+    s = named.sort_values("start_ns")
+    by_step = [s["rank"].to_numpy(), s["step"].to_numpy()]
+    acts = s["act"].to_numpy(object)
+    at = s.groupby(by_step).cumcount()  # the place in its (rank, step)
+    f_after_b = (at.where(acts == "F").groupby(by_step).max() > at.where(acts == "B").groupby(by_step).min()).any()
+    is_f = acts == "F"
+    stage_back = (s["stage"][is_f].groupby([k[is_f] for k in by_step]).diff() < 0).any()
+    return "ScheduleInterleaved1F1B" if f_after_b or stage_back else "ScheduleLoopedBFS"
 
 
 # -------------------------------------------------------------------------------------------
@@ -736,21 +778,34 @@ def _pp_schedule(named: pd.DataFrame, kinds: set, pp, v: int) -> str:
 # -------------------------------------------------------------------------------------------
 def _gaps(passes: pd.DataFrame, work: pd.DataFrame) -> pd.DataFrame:
     """Per rank, the stretches of at least MIN_GAP_NS inside its passes where no op runs."""
-    out = []
-    for r, mine in passes.groupby("rank"):
-        w = work[work["rank"] == r]
-        inside = union(mine["start_ns"].to_numpy(np.int64), mine["end_ns"].to_numpy(np.int64))
-        gaps = inside - union(w["start_ns"].to_numpy(np.int64), w["end_ns"].to_numpy(np.int64))
-        keep = (gaps.ends - gaps.starts) >= MIN_GAP_NS
-        if keep.any():
-            s, e = gaps.starts[keep], gaps.ends[keep]
-            first = mine.sort_values("start_ns")
-            i = np.clip(np.searchsorted(first["start_ns"].to_numpy(np.int64), s, side="right") - 1, 0, len(first) - 1)
-            out.append(pd.DataFrame({"rank": r, "pid": first["pid"].iloc[0], "tid": first["tid"].iloc[0],
-                                     "step": first["step"].to_numpy()[i], "start_ns": s, "end_ns": e}))
-    if not out:
-        return pd.DataFrame(columns=["rank", "pid", "tid", "step", "start_ns", "end_ns"])
-    return pd.concat(out, ignore_index=True)
+    columns = ["rank", "pid", "tid", "step", "start_ns", "end_ns"]
+    if passes.empty:
+        return pd.DataFrame(columns=columns)
+    ranks = np.unique(passes["rank"].to_numpy())
+    work = work[work["rank"].isin(ranks).to_numpy()]
+    p_rank, w_rank = np.searchsorted(ranks, passes["rank"].to_numpy()), np.searchsorted(ranks, work["rank"].to_numpy())
+    p_start, p_end = passes["start_ns"].to_numpy(np.int64), passes["end_ns"].to_numpy(np.int64)
+    w_start, w_end = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
+    # each rank's times moved onto a stretch of the time line of its own (apart from the
+    # next one's), so that one union and one difference do every rank
+    times = np.concatenate([p_start, p_end, w_start, w_end])
+    t0, span = times.min(), times.max() - times.min() + 1
+    p_shift, w_shift = p_rank * span - t0, w_rank * span - t0
+    gaps = union(p_start + p_shift, p_end + p_shift) - union(w_start + w_shift, w_end + w_shift)
+    keep = (gaps.ends - gaps.starts) >= MIN_GAP_NS
+    if not keep.any():
+        return pd.DataFrame(columns=columns)
+    k = gaps.starts[keep] // span  # the rank of each gap
+    s, e = gaps.starts[keep] - k * span + t0, gaps.ends[keep] - k * span + t0
+    # the step of the rank's last pass starting by the gap's start; the thread of its first pass
+    order = np.lexsort((p_start, p_rank))
+    o_rank = p_rank[order]
+    key, q_key = lane_keys([o_rank, k], [p_start[order], s])
+    first = np.searchsorted(o_rank, k, side="left")
+    last = np.maximum(np.searchsorted(key, q_key, side="right") - 1, first)
+    return pd.DataFrame({"rank": ranks[k].astype(np.int64), "pid": passes["pid"].to_numpy()[order[first]],
+                         "tid": passes["tid"].to_numpy()[order[first]], "step": passes["step"].to_numpy()[order[last]],
+                         "start_ns": s, "end_ns": e})
 
 
 def _write(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame, gaps: pd.DataFrame) -> pd.DataFrame:

@@ -46,7 +46,17 @@ class Intervals:
         return np.where(k > 0, done[last] + partial, 0)
 
     def clip(self, start: int, end: int) -> "Intervals":
-        return intersect(self, Intervals.span(start, end))
+        """The part inside [start, end): two binary searches, so that clipping a whole
+        run's set to each step costs nothing like a sweep of the set."""
+        if end <= start:
+            return Intervals.empty()
+        i = int(np.searchsorted(self.ends, start, side="right"))  # first ending after start
+        j = int(np.searchsorted(self.starts, end, side="left"))   # past the last starting before end
+        if i >= j:
+            return Intervals.empty()
+        starts, ends = self.starts[i:j].copy(), self.ends[i:j].copy()
+        starts[0], ends[-1] = max(starts[0], start), min(ends[-1], end)
+        return Intervals(starts, ends)
 
     def __or__(self, other: "Intervals") -> "Intervals":
         return union(np.concatenate([self.starts, other.starts]),
@@ -80,9 +90,30 @@ def union(starts, ends) -> Intervals:
     return Intervals(out_starts, out_ends)
 
 
+def union_by_group(n_groups: int, group, starts, ends) -> list[Intervals]:
+    """``union`` of the intervals of each group 0 .. n_groups-1 (a list, one per group),
+    all groups in one sort."""
+    group, starts, ends = (np.asarray(a, np.int64) for a in (group, starts, ends))
+    keep = ends > starts
+    group, starts, ends = group[keep], starts[keep], ends[keep]
+    order = np.lexsort((starts, group))
+    group, starts, ends = group[order], starts[order], ends[order]
+    # reach (the running max of ends) restarts with each group: in dense ranks offset by
+    # group, a group's values all lie above those of the groups before it
+    uniq, rank = np.unique(ends, return_inverse=True)
+    size = len(uniq) + 1
+    reach = uniq[np.maximum.accumulate(group * size + rank) - group * size]
+    new_run = np.ones(len(starts), bool)
+    new_run[1:] = (group[1:] != group[:-1]) | (starts[1:] > reach[:-1])
+    last = np.flatnonzero(np.append(new_run[1:], True)[:len(starts)])  # each run's last interval
+    cuts = np.cumsum(np.bincount(group[new_run], minlength=n_groups))[:-1]
+    return [Intervals(s, e) for s, e in zip(np.split(starts[new_run], cuts), np.split(reach[last], cuts))]
+
+
 def _boundaries(a: Intervals, b: Intervals):
     """Elementary segments between all boundaries, and whether each lies in a / in b."""
-    points = np.unique(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
+    points = np.sort(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
+    points = points[np.r_[True, points[1:] != points[:-1]]] if len(points) else points
     if len(points) < 2:
         return None
     lo, hi = points[:-1], points[1:]

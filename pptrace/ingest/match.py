@@ -227,24 +227,32 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
 
 
 def _incomplete_warnings(out: pd.DataFrame, loaded: set) -> list[str]:
-    warnings = []
-    bad = out[~out["complete"]]
+    """One line per (name, source) whose instances lack ranks that were loaded: how many
+    instances, and the step and the missing ranks of the first."""
+    bad = out[~out["complete"].to_numpy(bool)]
     if bad.empty:
-        return warnings
-    for (name, source), rows in bad.groupby(["name", "source"], sort=False):
-        expected = {int(r) for g in rows["group"].unique() for r in g.split(",")} & loaded
-        if not expected:
-            continue
-        first = rows[rows["instance"] == rows["instance"].min()]
-        missing = sorted({int(r) for r in first["group"].iloc[0].split(",")} & loaded - set(first["rank"]))
-        if not missing:
-            continue
-        warnings.append(
-            f"{rows['instance'].nunique()} instances of '{name}' lack ranks that were loaded "
-            f"(first: step {first['step'].iloc[0]}, missing rank(s) {missing}); ranks called it a "
-            "different number of times, or the layout does not match the run"
-        )
-    return warnings
+        return []
+    by_name = bad.groupby(["name", "source"], sort=False)
+    keys, count = by_name.size().index, by_name["instance"].nunique().to_numpy()  # in order of appearance
+    line = by_name.ngroup().to_numpy()
+    is_first = bad["instance"].to_numpy() == by_name["instance"].transform("min").to_numpy()
+    first = pd.DataFrame({"line": line[is_first], "rank": bad["rank"].to_numpy(np.int64)[is_first],
+                          "group": bad["group"].to_numpy(object)[is_first], "step": bad["step"].to_numpy()[is_first]})
+    head = first.drop_duplicates("line")  # the group and step of each line's first row
+    members = head[["line", "group"]].assign(rank=head["group"].str.split(",")).explode("rank")
+    members = members.assign(rank=members["rank"].astype(np.int64)).drop_duplicates(["line", "rank"])
+    members = members[members["rank"].isin(list(loaded)).to_numpy()]
+    present = pd.MultiIndex.from_frame(first[["line", "rank"]])
+    missing = members[~pd.MultiIndex.from_frame(members[["line", "rank"]]).isin(present)].sort_values(["line", "rank"])
+    lines, at = np.unique(missing["line"].to_numpy(), return_index=True)
+    ranks = np.split(missing["rank"].to_numpy(np.int64), at[1:])
+    step = head.set_index("line")["step"]
+    return [
+        f"{count[i]} instances of '{keys[i][0]}' lack ranks that were loaded "
+        f"(first: step {step[i]}, missing rank(s) {r.tolist()}); ranks called it a "
+        "different number of times, or the layout does not match the run"
+        for i, r in zip(lines, ranks)
+    ]
 
 
 def shift_pairs(pairs: pd.DataFrame, offsets: dict, events: pd.DataFrame) -> pd.DataFrame:

@@ -44,6 +44,56 @@ def _op_of(name: str) -> str | None:
     return None
 
 
+def _lanes(first: pd.DataFrame, *others: pd.DataFrame) -> list[np.ndarray]:
+    """The (pid, tid) thread of each row as a number: threads numbered in the order they
+    first appear in ``first``; -1 in ``others`` for a thread ``first`` has no row on."""
+    def keys(frame):
+        return pd.MultiIndex.from_arrays([frame["pid"].to_numpy(np.int64), frame["tid"].to_numpy(np.int64)])
+    threads = keys(first).unique()
+    return [threads.get_indexer(keys(frame)) for frame in (first, *others)]
+
+
+def lane_keys(lanes: list[np.ndarray], times: list[np.ndarray]) -> list[np.ndarray]:
+    """int64 keys that sort as (lane, time) across all the arrays given (lanes >= 0: a
+    thread, a rank): a time's rank among all the times, offset per lane, so that one
+    searchsorted over many lanes searches each query's own lane."""
+    points = np.unique(np.concatenate([np.asarray(t, np.int64) for t in times]))
+    span = len(points) + 1
+    return [np.asarray(lane, np.int64) * span + np.searchsorted(points, np.asarray(t, np.int64))
+            for lane, t in zip(lanes, times)]
+
+
+def _innermost(op_lane: np.ndarray, op_start: np.ndarray, op_end: np.ndarray,
+               lane: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per query [start, end] on thread ``lane`` (>= 0): the op of that thread around it
+    (op_start <= start, op_end >= end) that starts last, the last listed of those starting
+    together (as index into the op arrays); -1 where none is."""
+    out = np.full(len(lane), -1, np.int64)
+    if not len(op_lane) or not len(lane):
+        return out
+    order = np.lexsort((op_start, op_lane))  # stable: listed order among equal starts
+    o_lane, o_end = op_lane[order], np.asarray(op_end, np.int64)[order]
+    o_key, q_key = lane_keys([o_lane, lane], [np.asarray(op_start)[order], start])
+    pos = np.searchsorted(o_key, q_key, side="right") - 1  # the last op starting at or before it
+    lo = np.searchsorted(o_lane, lane, side="left")  # the thread's first op
+    # Step back from pos to the last op reaching to the query's end: skip blocks of 2^k ops
+    # that all end before it (greedy from large blocks down), read from a table of the
+    # largest end in each block of 2^k ops ending at a position.
+    reach = [o_end]
+    while (1 << len(reach)) <= len(o_end):
+        half, prev = 1 << (len(reach) - 1), reach[-1]
+        nxt = prev.copy()
+        nxt[half:] = np.maximum(prev[half:], prev[:-half])
+        reach.append(nxt)
+    end = np.asarray(end, np.int64)
+    for k in range(len(reach) - 1, -1, -1):
+        skip = (pos - (1 << k) + 1 >= lo) & (reach[k][np.clip(pos, 0, None)] < end)
+        pos = np.where(skip, pos - (1 << k), pos)
+    found = pos >= lo
+    out[found] = order[pos[found]]
+    return out
+
+
 def link_nccl_kernels(df: pd.DataFrame) -> int:
     """Fill FIELDS of NCCL kernels (in place) from the host ops enclosing their launch call;
     returns how many kernels got a collective they did not have."""
@@ -55,54 +105,55 @@ def link_nccl_kernels(df: pd.DataFrame) -> int:
     launch = df[host & (df["category"] == "runtime").to_numpy() & corr.isin(corr[kern].dropna()).to_numpy()]
     if launch.empty:
         return 0
-    names = df["name"].astype(str)
-    is_op = host & (names.eq("record_param_comms") | names.str.startswith(("nccl:", "c10d::"))).to_numpy()
-    ops = df[is_op]
-    if ops.empty:
+    name = df["name"] if isinstance(df["name"].dtype, pd.CategoricalDtype) else df["name"].astype("category")
+    names, codes = name.cat.categories.astype(str), name.cat.codes.to_numpy()  # decided per distinct name
+    named_cat = np.r_[names.str.startswith(("nccl:", "c10d::")), False]  # code -1 (null): last
+    rpc_cat = np.r_[names == "record_param_comms", False]
+    is_rpc, is_named = host & rpc_cat[codes], host & named_cat[codes]
+    if not (is_rpc | is_named).any():
         return 0
-    by_thread = {key: grp for key, grp in ops.groupby(["pid", "tid"], sort=False)}
-    launch_of = {int(c): (int(p), int(t), int(s), int(e)) for c, p, t, s, e in zip(
-        launch["correlation"], launch["pid"], launch["tid"], launch["start_ns"], launch["end_ns"])}
-    updates: dict = {f: {} for f in FIELDS}
-    filled = 0
-    for row in df.loc[kern, ["correlation", "collective"]].itertuples():
-        found = launch_of.get(int(row.correlation))
-        if found is None:
-            continue
-        pid, tid, start, end = found
-        grp = by_thread.get((pid, tid))
-        if grp is None:
-            continue
-        around = grp[(grp["start_ns"].to_numpy() <= start) & (grp["end_ns"].to_numpy() >= end)]
-        if around.empty:
-            continue
-        around = around.sort_values("start_ns", kind="stable")  # outermost first
-        op_names = [str(n) for n in around["name"]]
-        rpc = around[np.array([n == "record_param_comms" for n in op_names])]
-        if len(rpc):
-            inner = rpc.iloc[-1]
-            for field in FIELDS:
-                value = inner[field]
-                if value is not None and not pd.isna(value) and pd.isna(df.at[row.Index, field]):
-                    updates[field][row.Index] = value
-        if pd.isna(row.collective) and row.Index not in updates["collective"]:
-            named = [_op_of(n) for n in reversed(op_names)]
-            named = [n for n in named if n]
-            if named:
-                updates["collective"][row.Index] = named[0]
-        filled += row.Index in updates["collective"]
-    for field, values in updates.items():
-        if not values:
+    # the launch call of each kernel (of calls sharing a correlation, the last listed)
+    launch = launch[~launch["correlation"].duplicated(keep="last").to_numpy()]
+    call = pd.Index(launch["correlation"].to_numpy(np.int64)).get_indexer(
+        df.loc[kern, "correlation"].to_numpy(np.int64))
+    ops = df[is_rpc | is_named]
+    op_lane, call_lane = _lanes(ops, launch)
+    op_name = ops["name"].map(_op_of).astype(object).to_numpy()  # per distinct name
+    rpc = is_rpc[ops.index.to_numpy()]
+    named = is_named[ops.index.to_numpy()] & ~pd.isna(op_name)
+    has = call >= 0
+    has[has] = call_lane[call[has]] >= 0
+    kern, call = kern[has], call[has]
+    c_lane = call_lane[call]
+    c_start, c_end = launch["start_ns"].to_numpy(np.int64)[call], launch["end_ns"].to_numpy(np.int64)[call]
+    o_start, o_end = ops["start_ns"].to_numpy(np.int64), ops["end_ns"].to_numpy(np.int64)
+    inner_rpc = _innermost(op_lane[rpc], o_start[rpc], o_end[rpc], c_lane, c_start, c_end)
+    inner_named = _innermost(op_lane[named], o_start[named], o_end[named], c_lane, c_start, c_end)
+    # the innermost record_param_comms around the launch gives the kernel what it lacks
+    updates = {}
+    got = inner_rpc >= 0
+    rpc_rows = ops.index[rpc][inner_rpc[got]]
+    for field in FIELDS:
+        value = df.loc[rpc_rows, field].to_numpy(object)
+        take = ~pd.isna(value) & df.loc[kern[got], field].isna().to_numpy()
+        updates[field] = (kern[got][take].to_numpy(), value[take])
+    # no record_param_comms said which collective: the innermost nccl:<op> / c10d::<op> does
+    rows, values = updates["collective"]
+    lacking = df.loc[kern, "collective"].isna().to_numpy() & ~np.isin(kern, rows) & (inner_named >= 0)
+    updates["collective"] = (np.concatenate([rows, kern[lacking]]),
+                             np.concatenate([values, op_name[named][inner_named[lacking]]]))
+    for field, (rows, values) in updates.items():
+        if not len(rows):
             continue
         if isinstance(df[field].dtype, pd.CategoricalDtype):
             full = np.array(df[field].astype(object).to_numpy(), dtype=object)  # a writable copy
-            full[list(values)] = [str(v) for v in values.values()]
+            full[rows] = pd.Series(values, dtype=object).astype(str).to_numpy(object)
             df[field] = pd.Categorical(full)
         else:
             col = df[field].copy()
-            col.loc[list(values)] = [int(v) for v in values.values()]
+            col.loc[rows] = values.astype(np.int64)
             df[field] = col
-    return filled
+    return len(updates["collective"][0])
 
 
 # -------------------------------------------------------------------------------------------
@@ -146,14 +197,22 @@ def _set(df: pd.DataFrame, column: str, rows: np.ndarray, values) -> None:
     df.loc[rows, column] = values
 
 
-def _covered(starts: np.ndarray, ends: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Whether each instant ``at`` lies inside one of the (properly nesting) ranges."""
-    if len(starts) == 0:
-        return np.zeros(len(at), bool)
-    order = np.argsort(starts, kind="stable")
-    starts, reach = starts[order], np.maximum.accumulate(ends[order])
-    i = np.searchsorted(starts, at, side="right") - 1
-    return (i >= 0) & (reach[np.clip(i, 0, None)] >= at)
+def _covered(lane: np.ndarray, starts: np.ndarray, ends: np.ndarray, at_lane: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Whether each instant ``at`` lies inside one of the (properly nesting) ranges of its
+    lane (ranges and instants on lane -1 take no part)."""
+    out = np.zeros(len(at), bool)
+    mine, asked = lane >= 0, at_lane >= 0
+    if not mine.any() or not asked.any():
+        return out
+    order = np.lexsort((starts[mine], lane[mine]))
+    lane, starts, ends = lane[mine][order], starts[mine][order], ends[mine][order]
+    s_key, e_key, at_key = lane_keys([lane, lane, at_lane[asked]], [starts, ends, at[asked]])
+    # the keys of a lane exceed those of the lanes before it: a running maximum stays in its lane
+    reach = np.maximum.accumulate(e_key)
+    i = np.searchsorted(s_key, at_key, side="right") - 1
+    j = np.clip(i, 0, None)
+    out[asked] = (i >= 0) & (lane[j] == at_lane[asked]) & (reach[j] >= at_key)
+    return out
 
 
 def _peers(ops: pd.DataFrame, rank: int, is_send: np.ndarray) -> np.ndarray:
@@ -196,40 +255,48 @@ def _kernel_of_ops(df: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, pd.
     # a scope around endCoalescing itself (if a PyTorch version records one) opens no new op
     rpc = rpc[~rpc["collective"].astype(str).str.contains("coalesced", case=False).to_numpy()]
     out = np.full(len(ops), -1, dtype=np.int64)
-    coalesced = [pd.DataFrame({"kernel": np.zeros(0, np.int64), "op": np.zeros(0, np.int64)})]
-    for (pid, tid), mine in ops.groupby(["pid", "tid"], sort=False):
-        pos = ops.index.get_indexer(mine.index)
-        calls = launch[(launch["pid"] == pid).to_numpy() & (launch["tid"] == tid).to_numpy()]
-        calls = calls.sort_values("start_ns", kind="stable")
-        c_start, c_end = calls["start_ns"].to_numpy(), calls["end_ns"].to_numpy()
-        c_kernel = kernel_row.reindex(calls["correlation"].to_numpy(np.int64)).to_numpy()
-        # a launch inside the op's own scope: its kernel
-        s, e = mine["start_ns"].to_numpy(), mine["end_ns"].to_numpy()
-        j = np.searchsorted(c_start, s, side="left")
-        inside = (j < len(calls)) & (c_end[np.clip(j, 0, max(len(calls) - 1, 0))] <= e) if len(calls) else np.zeros(len(s), bool)
-        out[pos[inside]] = c_kernel[j[inside]]
-        # the others: by order, to the next launch outside every record_param_comms, when
-        # nothing else (a collective, a send/recv with its own kernel) came between
-        theirs = rpc[(rpc["pid"] == pid).to_numpy() & (rpc["tid"] == tid).to_numpy()]
-        free = ~_covered(theirs["start_ns"].to_numpy(), theirs["end_ns"].to_numpy(), c_start)
-        pending = np.isin(theirs.index.to_numpy(), mine.index[~inside])
-        # one timeline of the thread's scopes and free launches; at one instant a launch first
-        t = np.concatenate([theirs["start_ns"].to_numpy(np.int64), c_start[free].astype(np.int64)])
-        what = np.concatenate([np.where(pending, _PENDING, _OTHER), np.full(int(free.sum()), _LAUNCH)])
-        ref = np.concatenate([theirs.index.to_numpy(np.int64), np.flatnonzero(free)])
-        order = np.lexsort((ref, what != _LAUNCH, t))
-        what, ref = what[order], ref[order]
-        breaks = np.flatnonzero(what != _PENDING)  # each pending op goes to the first break after it
-        ops_at = np.flatnonzero(what == _PENDING)
-        nxt = np.searchsorted(breaks, ops_at)
-        has = nxt < len(breaks)
-        to_launch = np.zeros(len(ops_at), bool)
-        to_launch[has] = what[breaks[nxt[has]]] == _LAUNCH
-        members, launch_at = ref[ops_at[to_launch]], ref[breaks[nxt[to_launch]]]
-        rows = c_kernel[launch_at].astype(np.int64)
-        out[ops.index.get_indexer(members)] = rows
-        coalesced.append(pd.DataFrame({"kernel": rows, "op": members}))
-    return out, pd.concat(coalesced, ignore_index=True)
+    # threads numbered as they first appear in ops; launches and scopes of other threads: -1
+    op_lane, c_lane, r_lane = _lanes(ops, launch, rpc)
+    by_time = np.lexsort((launch["start_ns"].to_numpy(), c_lane))  # stable: listed order at one start
+    by_time = by_time[c_lane[by_time] >= 0]
+    calls, c_lane = launch.iloc[by_time], c_lane[by_time]
+    c_start, c_end = calls["start_ns"].to_numpy(np.int64), calls["end_ns"].to_numpy(np.int64)
+    c_kernel = kernel_row.reindex(calls["correlation"].to_numpy(np.int64)).to_numpy()
+    # a launch inside the op's own scope: its kernel (the first launch of its thread from its start on)
+    s, e = ops["start_ns"].to_numpy(np.int64), ops["end_ns"].to_numpy(np.int64)
+    inside = np.zeros(len(ops), bool)
+    if len(calls):
+        c_key, s_key = lane_keys([c_lane, op_lane], [c_start, s])
+        j = np.searchsorted(c_key, s_key, side="left")
+        k = np.clip(j, 0, len(calls) - 1)
+        inside = (j < len(calls)) & (c_lane[k] == op_lane) & (c_end[k] <= e)
+        out[inside] = c_kernel[j[inside]]
+    # the others: by order, to the next launch of their thread outside every
+    # record_param_comms, when nothing else (a collective, a send/recv with its own kernel)
+    # came between
+    theirs = rpc.assign(lane=r_lane)[r_lane >= 0]
+    t_lane = theirs["lane"].to_numpy(np.int64)
+    free = ~_covered(t_lane, theirs["start_ns"].to_numpy(np.int64), theirs["end_ns"].to_numpy(np.int64),
+                     c_lane, c_start)
+    pending = np.isin(theirs.index.to_numpy(), ops.index[~inside])
+    # one timeline per thread of its scopes and free launches; at one instant a launch first
+    lane = np.concatenate([t_lane, c_lane[free]])
+    t = np.concatenate([theirs["start_ns"].to_numpy(np.int64), c_start[free]])
+    what = np.concatenate([np.where(pending, _PENDING, _OTHER), np.full(int(free.sum()), _LAUNCH)])
+    ref = np.concatenate([theirs.index.to_numpy(np.int64), calls.index.to_numpy(np.int64)[free]])
+    call = np.concatenate([np.full(len(theirs), -1), np.flatnonzero(free)])
+    order = np.lexsort((ref, what != _LAUNCH, t, lane))
+    lane, what, ref, call = lane[order], what[order], ref[order], call[order]
+    breaks = np.flatnonzero(what != _PENDING)  # each pending op goes to the first break after it
+    ops_at = np.flatnonzero(what == _PENDING)
+    nxt = np.searchsorted(breaks, ops_at)
+    has = nxt < len(breaks)
+    to_launch = np.zeros(len(ops_at), bool)
+    to_launch[has] = (what[breaks[nxt[has]]] == _LAUNCH) & (lane[breaks[nxt[has]]] == lane[ops_at[has]])
+    members, launch_at = ref[ops_at[to_launch]], call[breaks[nxt[to_launch]]]
+    rows = c_kernel[launch_at].astype(np.int64)
+    out[ops.index.get_indexer(members)] = rows
+    return out, pd.DataFrame({"kernel": rows, "op": members.astype(np.int64)})
 
 
 def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) -> int:
@@ -252,11 +319,10 @@ def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) ->
         return 0
     tagged = df[host & (df["category"] == "p2p").to_numpy() & df["peer"].notna().to_numpy() & ~df["inferred"].to_numpy()]
     if len(tagged):
-        inside = np.zeros(int(sel.sum()), bool)
         ops = df[sel]
-        for (pid, tid), grp in tagged.groupby(["pid", "tid"], sort=False):
-            same = ((ops["pid"] == pid) & (ops["tid"] == tid)).to_numpy()
-            inside[same] |= _covered(grp["start_ns"].to_numpy(), grp["end_ns"].to_numpy(), ops["start_ns"].to_numpy()[same])
+        t_lane, o_lane = _lanes(tagged, ops)
+        inside = _covered(t_lane, tagged["start_ns"].to_numpy(np.int64), tagged["end_ns"].to_numpy(np.int64),
+                          o_lane, ops["start_ns"].to_numpy(np.int64))
         sel[np.flatnonzero(sel)[inside]] = False
     ops = df[sel].sort_values("start_ns", kind="stable")
     if ops.empty:

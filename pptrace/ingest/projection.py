@@ -37,8 +37,10 @@ def _take(gpu: pd.DataFrame, key: str, rows: pd.DataFrame, start, end, found) ->
     if gpu.empty:
         return
     span = gpu.groupby(["rank", key], observed=True).agg(s=("start_ns", "min"), e=("end_ns", "max"))
-    got = span.reindex(pd.MultiIndex.from_arrays([rows["rank"].to_numpy(), rows[key].to_numpy()]))
-    hit = got["s"].notna().to_numpy() & ~found
-    start[hit] = got["s"].to_numpy()[hit].astype(np.int64)
-    end[hit] = got["e"].to_numpy()[hit].astype(np.int64)
+    # positions, not reindex: a miss would turn the columns to float64, which rounds
+    # epoch nanoseconds by up to 128 ns
+    at = span.index.get_indexer(pd.MultiIndex.from_arrays([rows["rank"].to_numpy(), rows[key].to_numpy()]))
+    hit = (at >= 0) & ~found
+    start[hit] = span["s"].to_numpy(np.int64)[at[hit]]
+    end[hit] = span["e"].to_numpy(np.int64)[at[hit]]
     found |= hit
