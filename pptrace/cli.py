@@ -167,10 +167,10 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, width=_width(sys.stderr if stderr else sys.stdout))
 
 
-def _load(run_dir, ranks=None, steps=None):
+def _load(run_dir, ranks=None, steps=None, **options):
     from .ingest.run import load_run
 
-    return load_run(run_dir, ranks=ranks, steps=steps)  # progress: pptrace.progress.wanted()
+    return load_run(run_dir, ranks=ranks, steps=steps, **options)  # progress: pptrace.progress.wanted()
 
 
 def _filters(run_dir, ranks_text, steps_text) -> tuple:
@@ -291,6 +291,34 @@ def _run_options(fn):
     return fn
 
 
+def _dask_options(fn):
+    """--workers/--scheduler: where the ranks' traces are parsed (pptrace.ingest.cluster),
+    handed to the command as ``dask``, the keyword arguments of _load that say it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, workers=None, scheduler=None, **kwargs):
+        dask = {}
+        if workers is not None or scheduler is not None:
+            import importlib.util
+
+            from .ingest.cluster import INSTALL_HINT, LOCAL
+
+            if workers is not None and scheduler is not None:
+                raise _BadOption("--workers starts a local Dask cluster, --scheduler uses an existing one: give one of them")
+            if importlib.util.find_spec("distributed") is None:
+                raise click.ClickException(INSTALL_HINT)
+            dask = {"scheduler": scheduler or LOCAL, "workers": workers}
+        return fn(*args, dask=dask, **kwargs)
+
+    wrapper = click.option("--scheduler", metavar="ADDRESS",
+                           help="Parse the traces on the Dask cluster of this scheduler (tcp://HOST:8786), whose "
+                                "workers see RUN at the same path (needs pip install 'pptrace[distributed]').")(wrapper)
+    wrapper = click.option("--workers", type=click.IntRange(min=1), metavar="N",
+                           help="Parse the traces on a local Dask cluster of N processes, started for the load "
+                                "(needs pip install 'pptrace[distributed]').")(wrapper)
+    return wrapper
+
+
 def _write_json(document: dict, target: str | None = None) -> None:
     import orjson
 
@@ -314,8 +342,9 @@ def _write_json(document: dict, target: str | None = None) -> None:
 @click.option("--hta", "with_hta", is_flag=True,
               help="GPU traces: also run HTA on the same files and show its numbers beside pptrace's "
                    "(needs pip install 'pptrace[hta]').")
+@_dask_options
 @_one_line_errors
-def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, with_hta):
+def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, with_hta, dask):
     """Where each rank's step time goes: compute, pipeline bubble (idle, waiting for another
     stage), pipeline sends and receives, the tensor-, context- and data-parallel communication
     that compute did not hide, and the ranks that hold the others back. A legend under the
@@ -328,7 +357,7 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
         if not hta_available():
             raise click.ClickException(INSTALL_HINT)
     html_out = _output(run_dir, html_out, "--html")
-    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text))
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **dask)
     report = build_report(run)
     comparison = None
     if with_hta:
@@ -357,13 +386,14 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="HTML file to write (default: RUN/report.html).")
 @click.option("--png", "png_dir", type=click.Path(path_type=Path), help="Also write one PNG per figure here.")
+@_dask_options
 @_one_line_errors
-def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
+def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir, dask):
     """One self-contained interactive HTML page: the pipeline as it ran, breakdowns, overlap, stragglers."""
     from .export.report import build_report
 
     output = _output(run_dir, output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html", "-o")
-    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text))
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **dask)
     from .export.dashboard import write_page
 
     path = write_page(run, build_report(run), output, png_dir=png_dir)
@@ -377,13 +407,15 @@ def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir):
 @_run_options
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
               help="Merged trace to write (.json or .json.gz).")
+@_dask_options
 @_one_line_errors
-def merge(run_dir: Path, steps_text, ranks_text, output):
+def merge(run_dir: Path, steps_text, ranks_text, output, dask):
     """One Perfetto / chrome://tracing trace of every rank on aligned clocks, p2p pairs as arrows."""
     from .export.perfetto import merge_run
 
     output = _output(run_dir, output, "-o")
-    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text))
+    # every op: the analyses' compact table folds nested CPU ops away (ingest/compact.py)
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), compact=False, **dask)
     path = merge_run(run, output)
     click.echo(f"merged {len(run.ranks)} ranks into {path}", err=_is_stdout(path))
     for warning in run.warnings:
@@ -401,14 +433,15 @@ def merge(run_dir: Path, steps_text, ranks_text, output):
 @click.option("--p2p-free", is_flag=True, help="Assume pipeline sends and receives take no time.")
 @click.option("--json", "json_out", is_flag=True, help="Print the prediction as JSON instead of a table.")
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path), help="Write the simulated timeline (Perfetto).")
+@_dask_options
 @_one_line_errors
-def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out):
+def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out, dask):
     """Predict the step time under another pipeline schedule, number of model chunks per stage
     or of microbatches, without the slowest rank, or with free pipeline transfers."""
     from .whatif import predict as whatif_mod
 
     trace_out = _output(run_dir, trace_out, "--trace")
-    run = _load(run_dir)
+    run = _load(run_dir, **dask)
     result = whatif_mod.whatif(run, schedule=schedule, vpp=vpp, microbatches=microbatches,
                                no_straggler=no_straggler, p2p_free=p2p_free)
     if trace_out:

@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
+from .compact import fold
 from .nccl import infer_nccl_p2p, link_nccl_kernels
 from .schema import (
     COLUMNS, GPU_CATS, NULLABLE_INT_COLUMNS, TAG_COLUMNS, RawArgs, RawEvent, classify, profiler_step_number,
@@ -218,12 +219,13 @@ def _thread_label(name: str | None) -> str:
     return match.group(1) if match else name.strip()
 
 
-def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
+def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: bool = True):
     """Parsed event slices -> (DataFrame with COLUMNS, info dict). One pass per slice, so
     only one slice's Python objects are alive at a time: each slice becomes numpy arrays
     (category codes, int64, nullable parts) before the next is parsed. A slice is a list of
     event dicts (orjson / json) or of :class:`RawEvent` (typed decoding); both give the same
-    table."""
+    table. ``compact``: nested plain CPU ops folded (compact.py), before the table is
+    sorted, so that the full table is never copied."""
     parts: dict = {k: [] for k in ("pid", "tid", "name", "cat", "start", "dur", "why", *_ARG_INTS)}
     names, cats = _Codes(bad=""), _Codes(bad=None)
     rpc, threads, p2p = {}, {}, {}
@@ -286,12 +288,14 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list):
     link_nccl_kernels(df)
     _add_steps(df, gpu)
     infer_nccl_p2p(df, rank, warnings)  # plain NCCL traces: send/recv -> pp rows
+    df, folded = fold(df) if compact else (df, 0)
     info = {
         "threads": {int(k): v for k, v in threads.items()},
         "main_tid": main_tid,
         "profiler_steps": sorted(int(s) for s in df.loc[df["category"] == "step", "step"].unique()),
         "n_events": n,
         "dropped_steps": lost_steps,  # ProfilerStep ranges among the dropped events
+        "folded": folded,
     }
     return df[list(COLUMNS)].sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True), info
 

@@ -383,12 +383,17 @@ def _head_and_tail(path: Path) -> bytes | None:
     return head[: bracket + 1] + tail
 
 
-def read_header(path) -> dict:
+def read_header(path, *, cached: bool = False) -> dict:
     """The top-level metadata of a trace (distributedInfo, pptrace block, baseTimeNanoseconds,
     ...) wherever it sits, before or after ``traceEvents``, without building the events
     table. The one reader of headers: :func:`load_rank` gets its header from the same
-    :func:`_locate_events` split of the whole document."""
+    :func:`_locate_events` split of the whole document and keeps it in its meta, so that
+    with ``cached`` a valid cache entry gives it without decompressing the trace (reaching
+    the metadata after the events of a .gz means inflating all of it)."""
     path = Path(path)
+    header = _cached_header(path) if cached else None
+    if header is not None:
+        return _checked(header, path)
     try:
         ends = _head_and_tail(path)
     except (OSError, EOFError, zlib.error):
@@ -402,13 +407,25 @@ def read_header(path) -> dict:
             pass
     if not isinstance(header, dict):
         header, _, _ = parse_document(path)  # odd layouts, truncated or corrupt files
+    return _checked(_normalize_header(header, path), path)
+
+
+def _cached_header(path: Path) -> dict | None:
+    from .store import lookup
+
+    found = lookup(path)
+    header = found[1].get("header") if found is not None else None
+    return header if isinstance(header, dict) else None
+
+
+def _checked(header: dict, path: Path) -> dict:
     writer = _pptrace_output(header)
     if writer is not None:
         raise TraceError(
             f"{path}: written by `{writer}`, not one rank's trace; keep pptrace's outputs outside "
             "the traces directory"
         )
-    return _normalize_header(header, path)
+    return header
 
 
 def _pptrace_output(header: dict) -> str | None:
@@ -416,7 +433,8 @@ def _pptrace_output(header: dict) -> str | None:
     metadata export/perfetto.py and whatif/predict.py write), else None: a merged trace or
     a simulated one in a traces directory is not one more rank."""
     other = header.get("otherData")
-    if isinstance(other, dict) and isinstance(other.get("pptrace"), dict) and "pptrace" not in header:
+    if isinstance(other, dict) and isinstance(other.get("pptrace"), dict) \
+            and not header.get("pptrace"):  # (normalized: None where absent)
         return "pptrace merge"
     if isinstance(header.get("pptrace_whatif"), dict):
         return "pptrace whatif --trace"
@@ -467,7 +485,8 @@ def _base_ns(header: dict) -> int:
     return base
 
 
-def load_rank(path, rank: int | None = None, *, typed: bool = True, with_key: bool = False):
+def load_rank(path, rank: int | None = None, *, typed: bool = True, with_key: bool = False,
+              compact: bool = True):
     """Parse one rank's trace -> (events DataFrame in the schema.py columns, meta dict).
 
     ``meta`` holds: path, rank, world_size, base_ns, pptrace (the block or None),
@@ -475,8 +494,10 @@ def load_rank(path, rank: int | None = None, *, typed: bool = True, with_key: bo
     n_events, warnings (list of strings). Raises TraceError for files that are not traces.
     ``typed=False`` parses every event into a dict (the slow reference for the tests).
     ``with_key``: also return the cache key of the bytes parsed (see _load_rank).
+    ``compact``: fold nested plain CPU ops (ingest/compact.py; ``meta["folded"]`` counts
+    them); False keeps every event (``pptrace merge``).
     """
-    frame, meta, key = _load_rank(path, rank, typed=typed)
+    frame, meta, key = _load_rank(path, rank, typed=typed, compact=compact)
     return (frame, meta, key) if with_key else (frame, meta)
 
 
@@ -491,7 +512,7 @@ def _unchanged(path: Path, opened: os.stat_result) -> bool:
     return all(getattr(now, f) == getattr(opened, f) for f in fields)
 
 
-def _load_rank(path, rank: int | None = None, *, typed: bool = True):
+def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bool = True):
     """load_rank, plus the cache key of the bytes parsed: None when the file changed while
     it was read, so that no entry ever holds one version's table under another's key."""
     from .store import key_of
@@ -502,14 +523,16 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True):
     header = _normalize_header(header, path)
     base = _base_ns(header)
     rank = rank if rank is not None else rank_of(header, path)
+    del data  # the slices hold the bytes until the last one is parsed, not beyond
     try:
-        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings)
+        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings, compact=compact)
     except orjson.JSONDecodeError:
-        # A cut landed inside an event (an unusual layout): parse the whole document.
-        header, slices, warnings = parse_document(path, data, whole=True)
+        # A cut landed inside an event (an unusual layout): parse the whole document, read
+        # again (a change meanwhile leaves the entry uncached: _unchanged below).
+        header, slices, warnings = parse_document(path, _read_trace(path)[0], whole=True)
         header = _normalize_header(header, path)
-        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings)
-    del data, slices
+        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings, compact=compact)
+    del slices
     if rank is None:
         rank = rank_of(header, path)
     if rank is None:
@@ -526,6 +549,7 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True):
         "pptrace": block,
         "distributed": dist,
         "hostname": (block or {}).get("hostname") or header.get("host_name"),
+        "header": header,  # for read_header from the cache
         **info,
         "warnings": warnings,
     }
@@ -552,16 +576,16 @@ _TABLE_BYTES_PER_TRACE_BYTE = 0.45
 _PROCESS_BYTES = 160 << 20
 
 
-def _parse_job(path: str, rank: int | None, use_cache: bool):
+def _parse_job(path: str, rank: int | None, use_cache: bool, compact: bool = True):
     """Parse one trace -> (StoredTable, meta, None), or (None, None, error line). With
     ``use_cache`` the table goes to its cache entry (read back when the run's frame is
     assembled), else into compressed Arrow IPC bytes: the caller never holds the full
-    pandas frame of a rank beyond this call."""
+    pandas frame of a rank beyond this call. The cache holds compact tables only."""
     from . import store as cache
     from .columnar import StoredTable, to_arrow
 
     try:
-        frame, meta, key = load_rank(path, rank, with_key=True)
+        frame, meta, key = load_rank(path, rank, with_key=True, compact=compact)
     except TraceError as exc:
         return None, None, str(exc)
     except (ValueError, TypeError, KeyError, OverflowError, MemoryError, RecursionError) as exc:
@@ -569,7 +593,7 @@ def _parse_job(path: str, rank: int | None, use_cache: bool):
         return None, None, f"{path}: could not be loaded ({type(exc).__name__}: {exc}); please report this trace"
     table = to_arrow(frame)
     del frame
-    if use_cache and key is not None:
+    if use_cache and compact and key is not None:
         written = cache.write(path, table, meta, key)
         if written is not None:
             return StoredTable(table.num_rows, path=written), meta, None
@@ -594,7 +618,8 @@ def _worker_count(workers: int | None, sizes: list) -> int:
     return max(1, min(os.cpu_count() or 1, len(sizes), fits))
 
 
-def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, progress=None):
+def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, progress=None,
+               compact: bool = True, scheduler: str | None = None):
     """Load many traces -> (list of (StoredTable, meta) in job order, errors).
 
     ``jobs`` is a list of (path, rank or None). Valid cache entries are only looked up
@@ -603,12 +628,18 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
     rank's table stays compact (its cache entry, or compressed Arrow bytes) until
     :func:`pptrace.ingest.columnar.frame_from_tables` assembles the run's frame once.
     ``errors`` lists one line per file that could not be loaded (its slot is None).
+
+    ``scheduler``: parse on Dask instead (pptrace.ingest.cluster), every trace not in the
+    cache being one task: ``"local"`` (cluster.LOCAL) starts a cluster of ``workers``
+    processes on this machine for the load, an address (``tcp://HOST:8786``) uses that
+    scheduler's workers. A rank Dask cannot load raises TraceError, never a missing slot.
     """
     from . import store as cache
 
     results: list = [None] * len(jobs)
     errors: list[str] = []
     todo = []
+    use_cache = use_cache and compact  # the cache holds compact tables only
     if use_cache:
         for directory in {cache.cache_path(path).parent for path, _ in jobs}:
             cache.remove_stale_tmp(directory)
@@ -620,10 +651,21 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
             todo.append(i)
     if not todo:
         return results, errors
-    sizes = [os.path.getsize(jobs[i][0]) if os.path.exists(jobs[i][0]) else 0 for i in todo]
-    n_workers = _worker_count(workers, sizes)
+    # the same arguments in this process, in a pool or on Dask
+    calls = {i: (str(jobs[i][0]), jobs[i][1], use_cache, compact) for i in todo}
     cached = len(jobs) - len(todo)
-    shown = phase(f"{LOAD} ({cached} from cache)" if cached else LOAD, total=len(todo), enabled=progress)
+    label = f"{LOAD} ({cached} from cache)" if cached else LOAD
+    if scheduler is not None:
+        from .cluster import LOCAL, describe
+
+        if scheduler == LOCAL:  # no more processes to start than traces to parse
+            workers = min(int(workers or os.cpu_count() or 1), len(todo))
+        label = f"{label} on {describe(scheduler, workers)}"
+        n_workers = 0
+    else:
+        sizes = [os.path.getsize(jobs[i][0]) if os.path.exists(jobs[i][0]) else 0 for i in todo]
+        n_workers = _worker_count(workers, sizes)
+    shown = phase(label, total=len(todo), enabled=progress)
 
     def collect(i, outcome):
         stored, meta, error = outcome
@@ -631,23 +673,26 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
             errors.append(error)
         else:
             results[i] = (stored, meta)
+        bar.advance()
 
     bar = shown.__enter__()
     try:
-        if n_workers > 1:
+        if scheduler is not None:
+            from .cluster import map_jobs
+
+            map_jobs(scheduler, workers, calls, collect)
+        elif n_workers > 1:
             with ProcessPoolExecutor(max_workers=n_workers) as pool:
-                futures = {pool.submit(_parse_job, str(jobs[i][0]), jobs[i][1], use_cache): i for i in todo}
+                futures = {pool.submit(_parse_job, *args): i for i, args in calls.items()}
                 for future in as_completed(futures):
                     try:
                         outcome = future.result()
                     except Exception as exc:  # a worker died (out of memory, killed)
                         outcome = (None, None, f"{jobs[futures[future]][0]}: worker failed ({type(exc).__name__}: {exc})")
                     collect(futures[future], outcome)
-                    bar.advance()
         else:
-            for i in todo:
-                collect(i, _parse_job(str(jobs[i][0]), jobs[i][1], use_cache))
-                bar.advance()
+            for i, args in calls.items():
+                collect(i, _parse_job(*args))
     finally:
         shown.__exit__(None, None, None)
     return results, errors

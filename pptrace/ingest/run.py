@@ -16,7 +16,7 @@ import pandas as pd
 
 from . import align, claims, infer, match, windows
 from .claims import is_count, is_index, shape
-from .activity import rank_activity
+from .activity import activities
 from ..errors import TraceError
 from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
 from .columnar import frame_from_tables
@@ -186,16 +186,14 @@ class Run:
     @cached_property
     def activities(self) -> dict:
         """rank -> Activity: when it computed and when each dimension communicated."""
-        groups = self.process_groups
-        return {int(r): rank_activity(grp, int(r), self.layout, groups.get(int(r)))
-                for r, grp in self.events.groupby("rank", observed=True)}
+        return activities(self.events, None, self.layout, self.process_groups)
 
 
-def _headers(files, warnings):
+def _headers(files, warnings, cached: bool = True):
     found = []
     for path in files:
         try:
-            header = read_header(path)
+            header = read_header(path, cached=cached)
         except TraceError as exc:
             warnings.append(f"skipped: {exc}")
             continue
@@ -379,18 +377,22 @@ def _not_profiled(absent, run_steps, metas) -> str:
 
 
 def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=None,
-             layout: Layout | None = None, workers: int | None = None) -> Run:
+             layout: Layout | None = None, workers: int | None = None, compact: bool = True,
+             scheduler: str | None = None) -> Run:
     """Load, align and match a run directory (or one trace file).
 
     ``ranks``/``steps`` restrict what is loaded/kept; ``layout`` overrides the layout found
     in the traces (plain torch.profiler traces have none); ``progress`` forces the display
-    of each phase on stderr on/off (default: ``pptrace.progress.wanted``).
+    of each phase on stderr on/off (default: ``pptrace.progress.wanted``); ``compact=False``
+    keeps the CPU ops that the analyses fold away (ingest/compact.py), for ``pptrace merge``;
+    ``workers``/``scheduler``: where the ranks are parsed (see load.load_ranks: Dask with a
+    ``scheduler``).
     """
     path = Path(path)
     warnings: list[str] = []
     files = find_trace_files(path)
     with phase(HEADERS, enabled=progress):
-        by_rank = assign_ranks(_headers(files, warnings), warnings)
+        by_rank = assign_ranks(_headers(files, warnings, cached=use_cache and compact), warnings)
     # a layout not given by the caller is checked against what the traces show (claims.cross_check)
     run_layout, said = layout_of(by_rank, layout, warnings)
     wanted = None
@@ -404,7 +406,7 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
             raise TraceError(f"{path}: none of the requested ranks {sorted(wanted)} has a trace")
     order = sorted(by_rank)
     results, errors = load_ranks([(by_rank[r][0], r) for r in order], use_cache=use_cache,
-                                 progress=progress, workers=workers)
+                                 progress=progress, workers=workers, compact=compact, scheduler=scheduler)
     warnings += [f"skipped: {e}" for e in errors]
     tables, metas = [], {}
     for rank, result in zip(order, results):

@@ -82,7 +82,8 @@ from ..vocab import COMM_DIMS
 # 3: src_rank / dst_rank of NCCL p2p, the inferred flag (plain traces)
 # 4: c10d send/recv posts carry their "Concrete Inputs" peer and tag, gloo p2p ranges bytes
 # 5: events with an impossible ts or dur dropped and counted (frame.py), not clamped
-SCHEMA_VERSION = 5
+# 6: the compact table: nested plain CPU ops folded (compact.py)
+SCHEMA_VERSION = 6
 
 #: the category of a contract range of each communication dimension
 COMM_CATEGORIES = tuple(f"comm:{d}" for d in COMM_DIMS)
