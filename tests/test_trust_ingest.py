@@ -60,12 +60,12 @@ def test_a_trace_replaced_while_it_is_parsed_is_reported_new_on_the_next_run(tmp
     new_bytes = _shorter_forwards(target.read_bytes())
     real_build = load.build_frame
 
-    def replace_mid_parse(slices, rank, base, path, warnings):
+    def replace_mid_parse(slices, rank, base, path, warnings, **options):
         # the trace is read; the writer's os.replace lands while its events are parsed
         if str(path) == str(target) and target.read_bytes() != new_bytes:
             (target.parent / "incoming.tmp").write_bytes(new_bytes)
             os.replace(target.parent / "incoming.tmp", target)
-        return real_build(slices, rank, base, path, warnings)
+        return real_build(slices, rank, base, path, warnings, **options)
 
     monkeypatch.setattr(load, "build_frame", replace_mid_parse)
     first = load_run(run_dir)
