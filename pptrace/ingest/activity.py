@@ -29,6 +29,7 @@ from .schema import tags_of
 from .nccl import group_members, is_p2p_collective
 from .projection import gpu_extent
 from .intervals import Intervals, union_by_group
+from .lanes import dense_ranks
 from ..vocab import COMM_DIMS, LAYOUT_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
@@ -78,13 +79,6 @@ def _codes(*columns) -> np.ndarray:
     return frame.groupby(list(frame.columns), sort=False, dropna=False).ngroup().to_numpy(np.int64)
 
 
-def _ranks(*arrays) -> tuple[list, int]:
-    """Dense ranks of the values of all arrays together, and a size above them all:
-    ``group * size + rank`` then sorts as (group, value)."""
-    uniq, inv = np.unique(np.concatenate(arrays), return_inverse=True)
-    return np.split(inv.astype(np.int64), np.cumsum([len(a) for a in arrays])[:-1]), len(uniq) + 1
-
-
 def _runs(n_groups: int, group: np.ndarray) -> np.ndarray:
     """For rows sorted by group: the first row of each group."""
     count = np.bincount(group, minlength=n_groups)
@@ -105,10 +99,10 @@ def _dominance_max(p_group, p_lo, p_hi, p_w, q_group, q_lo, q_hi) -> np.ndarray:
         return out
     order = np.lexsort((p_lo, p_group))
     p_group, p_lo, p_hi, p_w = p_group[order], p_lo[order], p_hi[order], p_w[order]
-    (lo_p, lo_q), lo_size = _ranks(p_lo, q_lo)
+    (lo_p, lo_q), lo_size = dense_ranks(p_lo, q_lo)
     left = np.searchsorted(p_group, q_group, "left")
     right = np.searchsorted(p_group * lo_size + lo_p, q_group * lo_size + lo_q, "right")
-    (hi_p, hi_q), hi_size = _ranks(p_hi, q_hi)
+    (hi_p, hi_q), hi_size = dense_ranks(p_hi, q_hi)
     span = int(p_w.max()) + 1
     pos = np.arange(n)
     level = 0
@@ -190,7 +184,7 @@ def _async_spans(rng: pd.DataFrame) -> tuple:
     previous = np.full(len(w_key), np.iinfo(np.int64).min)
     same = np.r_[False, w_key[1:] == w_key[:-1]]
     previous[same] = w_start[:-1][same[1:]]
-    (l_rank, p_rank, w_rank), size = _ranks(l_start, previous, w_start)
+    (l_rank, p_rank, w_rank), size = dense_ranks(l_start, previous, w_start)
     l_sorted = l_key * size + l_rank
     first = np.searchsorted(l_sorted, w_key * size + p_rank, "right")  # launches after the previous wait
     upto = np.searchsorted(l_sorted, w_key * size + w_rank, "right")   # ... up to this one
@@ -237,7 +231,7 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     # j <= i of posted_j - j), a running minimum.
     n_q = int(queue.max()) + 1
     w_first, e_first = _runs(n_q, w_q), _runs(n_q, e_q)
-    (e_rank, w_rank), size = _ranks(e_start, start[work])
+    (e_rank, w_rank), size = dense_ranks(e_start, start[work])
     posted = np.searchsorted(e_q * size + e_rank, w_q * size + w_rank, "right") - e_first[w_q]
     i = np.arange(len(work)) - w_first[w_q] + 1
     spread = 2 * (len(work) + len(enq)) + 2  # later queues lie below earlier ones: a running min per queue
@@ -274,7 +268,7 @@ def _depths(lane: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarra
     idx = np.arange(n)
     lane_start = np.searchsorted(lane, lane, "left")
     lane_end = np.searchsorted(lane, lane, "right")
-    (s_rank, e_rank), size = _ranks(starts, ends)
+    (s_rank, e_rank), size = dense_ranks(starts, ends)
     first_after = np.maximum(np.searchsorted(lane * size + s_rank, lane * size + e_rank, "left"), idx + 1)
     # next_greater by binary lifting over a sparse table of maxima of the ends
     table = [ends]

@@ -20,13 +20,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .lanes import reach_before
+
 #: CPU ops that mean something by their name alone: c10d posts and enqueues (pairing,
 #: gloo worker attribution), gloo's own work, autograd's engine (backward passes of plain
 #: traces), torch.distributed.pipelining's ``PP:`` actions.
 SIGNIFICANT_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms", "autograd::engine", "PP:")
-
-_NEVER = np.iinfo(np.int64).min
-
 
 def _foldable_names(names: pd.Categorical) -> np.ndarray:
     """Per event: its name may fold (decided once per distinct name)."""
@@ -66,11 +65,8 @@ def nested_cpu_ops(df: pd.DataFrame) -> np.ndarray:
     order = np.lexsort((-end, start, tid, pid))
     idx, end = idx[order], end[order]
     thread = np.r_[0, np.cumsum((pid[order][1:] != pid[order][:-1]) | (tid[order][1:] != tid[order][:-1]))]
-    reach = pd.Series(end).groupby(thread).cummax().to_numpy(np.int64)
-    before = np.r_[_NEVER, reach[:-1]]
-    before[np.r_[True, thread[1:] != thread[:-1]]] = _NEVER  # a thread's first op
     out = np.zeros(n, bool)
-    out[idx[before >= end]] = True
+    out[idx[reach_before(thread, end) >= end]] = True
     return out & plain
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from .intervals import union_by_group
+from .lanes import reach_before
 
 #: What :func:`wait_transfer` adds to pairs.
 TIMED_COLUMNS = ("wait_ns", "transfer_ns", "send_exchange", "recv_exchange")
@@ -46,13 +47,12 @@ def exchange_ids(rank, start, end, kind=None) -> np.ndarray:
     lane = rank if kind is None else rank * (n + 1) + pd.factorize(np.asarray(kind, dtype=object))[0]
     order = np.lexsort((end, start, lane))
     lane, start, end = lane[order], start[order], end[order]
-    first = np.r_[True, lane[1:] != lane[:-1]]
     # The open exchange's first range is the latest-ending so far: a range that opens a new
     # exchange ends after every earlier one, and the others end within it. So "nested in the
-    # open exchange" is "starts before and ends no later than everything so far".
-    reach = pd.Series(end).groupby(lane).cummax().to_numpy()
-    before = np.r_[0, reach[:-1]]
-    head = first | (start >= before) | (end > before)
+    # open exchange" is "starts before and ends no later than everything so far" (a lane's
+    # first range: nothing before it, a head).
+    before = reach_before(lane, end)
+    head = (start >= before) | (end > before)
     ids = np.empty(n, np.int64)
     ids[order] = np.cumsum(head) - 1
     return ids

@@ -47,7 +47,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from .intervals import union
-from .nccl import lane_keys
+from .lanes import lane_keys
 from .schema import tags_of
 from ..topology import Layout
 from ..vocab import BWD, DIRECTION_OF, FWD, GPIPE, INTERLEAVED, LAYOUT_ORDERS, ONE_F_ONE_B, OP_OF_ACTION, PASS_OPS

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .lanes import lane_keys
 from ..vocab import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, collective_key
 
 #: columns filled on a kernel from its launching record_param_comms when the kernel lacks them
@@ -51,16 +52,6 @@ def _lanes(first: pd.DataFrame, *others: pd.DataFrame) -> list[np.ndarray]:
         return pd.MultiIndex.from_arrays([frame["pid"].to_numpy(np.int64), frame["tid"].to_numpy(np.int64)])
     threads = keys(first).unique()
     return [threads.get_indexer(keys(frame)) for frame in (first, *others)]
-
-
-def lane_keys(lanes: list[np.ndarray], times: list[np.ndarray]) -> list[np.ndarray]:
-    """int64 keys that sort as (lane, time) across all the arrays given (lanes >= 0: a
-    thread, a rank): a time's rank among all the times, offset per lane, so that one
-    searchsorted over many lanes searches each query's own lane."""
-    points = np.unique(np.concatenate([np.asarray(t, np.int64) for t in times]))
-    span = len(points) + 1
-    return [np.asarray(lane, np.int64) * span + np.searchsorted(points, np.asarray(t, np.int64))
-            for lane, t in zip(lanes, times)]
 
 
 def _innermost(op_lane: np.ndarray, op_start: np.ndarray, op_end: np.ndarray,
