@@ -16,7 +16,10 @@ import click
 
 from . import __version__
 from .errors import TraceError
+from .ingest.memory import prefer_system_arrow_pool
 from .vocab import SCHEDULES
+
+prefer_system_arrow_pool()  # before anything imports pyarrow: see ingest/memory.py
 
 
 class _StdoutGuard:

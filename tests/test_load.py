@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import os
 import re
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -219,6 +220,31 @@ def test_parallel_load_matches_serial(tmp_path, monkeypatch):
     assert np.array_equal(serial.offsets["offset_ns"], parallel.offsets["offset_ns"])
 
 
+@pytest.mark.skipif(load._start_method() != "fork", reason="the child inherits this test's wrapper by fork")
+def test_a_cold_load_parses_in_a_child_and_keeps_nothing_of_it(tmp_path, monkeypatch):
+    """Above a few MB of traces the parse runs in a child process (its fragmented heap goes
+    with it); the parent gets the same tables, from the cache the child wrote."""
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=1, microbatches=2)
+    here = load_run(run_dir, use_cache=False)
+    parsed_by = []
+    original = load.load_rank
+
+    def recording(*args, **kwargs):
+        frame, meta, key = original(*args, **kwargs)
+        return frame, {**meta, "parsed_by": os.getpid()}, key
+
+    monkeypatch.setattr(load, "load_rank", recording)
+    monkeypatch.setattr(load, "_POOL_MIN_BYTES", 0)
+    child = load_run(run_dir)
+    parsed_by = {m["parsed_by"] for m in child.meta.values()}
+    assert len(parsed_by) == 1 and os.getpid() not in parsed_by  # one child, not this process
+    pd.testing.assert_frame_equal(here.events, child.events)
+    assert len(list((run_dir / "traces").glob(".pptrace-cache/*"))) == 2
+    monkeypatch.setattr(load, "_POOL_MIN_BYTES", 8 << 20)  # a small run stays in process
+    shutil.rmtree(run_dir / "traces" / ".pptrace-cache")
+    assert {m["parsed_by"] for m in load_run(run_dir).meta.values()} == {os.getpid()}
+
+
 def test_cut_inside_a_string_falls_back_to_whole_parse(tmp_path, monkeypatch):
     """'}, {' inside a name is not an event boundary: the slice fails, the whole parse wins."""
     t = RankTrace(rank=0)
@@ -356,20 +382,42 @@ def test_cache_entries_are_arrow_files_that_replace_old_parquet_ones(tmp_path):
     pd.testing.assert_frame_equal(first.events, load_run(run_dir).events)
 
 
-def test_worker_count_keeps_memory_below_the_traces(monkeypatch):
+def test_worker_count_keeps_the_parse_below_the_analysis(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     mb = 1 << 20
-    assert load._worker_count(None, [47 * mb] * 8) == 1  # bench_load's run: parse in-process
-    assert load._worker_count(None, [1 * mb] * 4) == 1  # too little to pay for a pool
-    # 64 x 10 MB: as many workers as fit beside the parent's table, not one more
+    monkeypatch.setattr(load, "_start_method", lambda: "fork")
+    assert load._worker_count(None, [1 * mb] * 4) == 0  # too little to pay for a pool: in-process
+    assert load._worker_count(None, [65 * mb] * 8) == 1  # bench_analyze's trainer run: one child
+    # 64 x 10 MB: as many workers as the analysis' memory covers, not one more
     sizes = [10 * mb] * 64
     n, total = load._worker_count(None, sizes), sum(sizes)
-    parent = load._PROCESS_BYTES + load._TABLE_BYTES_PER_TRACE_BYTE * total
     per_worker = load._WORKER_BYTES_PER_TRACE_BYTE * max(sizes)
-    assert n == 7 and parent + n * per_worker <= total < parent + (n + 1) * per_worker
-    assert load._worker_count(None, [47 * mb] * 64) == 8
+    analysis = load._ANALYSIS_BYTES_PER_TRACE_BYTE * total
+    assert n == 8 and n * per_worker <= analysis  # CPU-bound here
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    n = load._worker_count(None, sizes)
+    assert n * per_worker <= analysis < (n + 1) * per_worker
     assert load._worker_count(3, [47 * mb] * 8) == 3
     assert load._worker_count(3, [47 * mb] * 2) == 2
+    monkeypatch.setattr(load, "_start_method", lambda: "spawn")  # macOS, Windows, Linux from 3.14
+    assert load._worker_count(None, [65 * mb] * 8) == 0  # one spawned child is not worth it
+    assert load._worker_count(None, sizes) == n  # several are
+
+
+def test_trace_size_is_the_decompressed_size(tmp_path):
+    doc = b'{"traceEvents": []}' + b" " * 100_000
+    (tmp_path / "a.json").write_bytes(doc)
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(doc))
+    assert load.trace_size(tmp_path / "a.json") == len(doc)
+    assert load.trace_size(tmp_path / "a.json.gz") == len(doc)
+    assert load.trace_size(tmp_path / "missing.json") == 0
+
+
+def test_gunzip_takes_gzips_way_for_several_members(tmp_path):
+    """The trailer describes the last member only: a concatenation still loads whole."""
+    one, two = b'{"traceEvents": [', b"]}"
+    assert load._gunzip(gzip.compress(one) + gzip.compress(two)) == one + two
+    assert load._gunzip(gzip.compress(one + two)) == one + two
 
 
 def test_a_stored_table_that_went_bad_is_one_clear_error(tmp_path):

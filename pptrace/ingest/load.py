@@ -10,9 +10,9 @@ braces); the loader then falls back to parsing the whole document, never to a wr
 Slices are decoded by msgspec into :class:`~pptrace.ingest.schema.RawEvent` structs that declare
 only the fields the table needs (everything else is skipped, never built); a slice msgspec
 rejects (invalid UTF-8, NaN, an odd value) is parsed by orjson/json into dicts instead, which
-give the same table. Many ranks: parsed one after the other in this process unless workers
-fit in memory (see _worker_count), each rank's table kept compressed until the run's frame
-is assembled once (columnar.frame_from_tables).
+give the same table. Ranks are parsed in child processes (one, or as many as fit in memory:
+see _worker_count), each rank's table kept compressed until the run's frame is assembled
+once (columnar.frame_from_tables).
 """
 from __future__ import annotations
 
@@ -108,15 +108,29 @@ def _read_trace(path: Path):
     probe = probe_of(data) if len(data) == st.st_size else None  # shorter/longer: written meanwhile
     if data[:2] == b"\x1f\x8b":
         try:
-            data = gzip.decompress(data)
+            data = _gunzip(data)
         except (OSError, EOFError, zlib.error) as exc:
             raise TraceError(
                 f"{path}: corrupt or truncated gzip ({exc}); re-copy the file or re-run the profiler"
             ) from None
     data = _strip_bom(data)
-    if not data.strip():
+    if not data or data.isspace():  # not strip(): that copies the whole trace
         raise TraceError(f"{path}: empty file; the rank probably died before writing its trace")
     return data, st, probe
+
+
+def _gunzip(raw: bytes) -> bytes:
+    """gzip.decompress at half its peak memory: its output grows in blocks joined at the
+    end (2x the trace at once); sized by the trailer's length, zlib fills one buffer. The
+    trailer describes the last member, so a file of several members (``cat a.gz b.gz``),
+    whose first member then disagrees in length or CRC, takes gzip's way."""
+    if len(raw) >= 18:
+        crc, size = int.from_bytes(raw[-8:-4], "little"), int.from_bytes(raw[-4:], "little")
+        data = zlib.decompress(raw, 16 + zlib.MAX_WBITS, max(size, 1))
+        if len(data) == size and zlib.crc32(data) == crc:
+            return data
+        del data
+    return gzip.decompress(raw)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -567,13 +581,28 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
 # -------------------------------------------------------------------------------------------
 # Below this much trace data a process pool costs more (fork, pickling) than it saves.
 _POOL_MIN_BYTES = 8 << 20
-#: While it parses, a worker holds its trace's bytes, one slice's objects and the rank's
-#: table: about this many times the trace's size (measured on bench_load's traces).
-_WORKER_BYTES_PER_TRACE_BYTE = 2.5
-#: The parent's assembled table, per byte of (uncompressed) trace.
-_TABLE_BYTES_PER_TRACE_BYTE = 0.45
-#: A process with pandas and pyarrow imported, plus what the first load adds to it.
-_PROCESS_BYTES = 160 << 20
+#: While it parses, a worker holds the trace's decompressed bytes, one slice's objects and
+#: the rank's table before folding: at most this many times the (decompressed) trace, on
+#: top of what it shares with the parent (measured on bench_analyze's 8-rank trainer run).
+_WORKER_BYTES_PER_TRACE_BYTE = 1.7
+#: What the analysis adds to the parent once the run's table is assembled, per byte of
+#: (decompressed) trace: the compact table and the analyses' working arrays (same run).
+_ANALYSIS_BYTES_PER_TRACE_BYTE = 0.25
+
+
+def trace_size(path) -> int:
+    """The decompressed size of a trace: a .gz's trailer gives it (modulo 4 GiB, so a
+    length below the file's own is taken as the usual 10:1)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            if fh.read(2) != b"\x1f\x8b" or size < 18:
+                return size
+            fh.seek(-4, os.SEEK_END)
+            inflated = int.from_bytes(fh.read(4), "little")
+    except OSError:
+        return 0
+    return inflated if inflated >= size else 10 * size
 
 
 def _parse_job(path: str, rank: int | None, use_cache: bool, compact: bool = True):
@@ -581,7 +610,7 @@ def _parse_job(path: str, rank: int | None, use_cache: bool, compact: bool = Tru
     ``use_cache`` the table goes to its cache entry (read back when the run's frame is
     assembled), else into compressed Arrow IPC bytes: the caller never holds the full
     pandas frame of a rank beyond this call. The cache holds compact tables only."""
-    from . import store as cache
+    from . import memory, store as cache
     from .columnar import StoredTable, to_arrow
 
     try:
@@ -593,29 +622,45 @@ def _parse_job(path: str, rank: int | None, use_cache: bool, compact: bool = Tru
         return None, None, f"{path}: could not be loaded ({type(exc).__name__}: {exc}); please report this trace"
     table = to_arrow(frame)
     del frame
+    stored = None
     if use_cache and compact and key is not None:
         written = cache.write(path, table, meta, key)
         if written is not None:
-            return StoredTable(table.num_rows, path=written), meta, None
-    return StoredTable.pack(table), meta, None
+            stored = StoredTable(table.num_rows, path=written)
+    if stored is None:
+        stored = StoredTable.pack(table)
+    del table
+    memory.release()  # the next rank's parse starts from the heap this one freed
+    return stored, meta, None
 
 
 def _worker_count(workers: int | None, sizes: list) -> int:
-    """Processes for parsing ``sizes`` (bytes per trace). Explicit ``workers`` is obeyed
-    (above _POOL_MIN_BYTES of traces). By default the traces are parsed in this process
-    unless several workers fit in memory: the parent ends up holding the run's table
-    (~_TABLE_BYTES_PER_TRACE_BYTE of the traces) above its own _PROCESS_BYTES, and each
-    worker ~2.5x its largest trace; workers are added only while all of it stays below the
-    traces' total size (bench_load's 8 x 47 MB on any machine: no worker)."""
+    """Child processes for parsing traces of ``sizes`` (decompressed bytes each); 0: parse
+    in this process, for less than _POOL_MIN_BYTES of traces. Otherwise at least one: the
+    heap a parse fragments then goes with the child, and the parent enters the analysis
+    with only the tables (its peak is that of a cached run); where processes are spawned,
+    not forked, one child is not worth it (0). Explicit ``workers`` is obeyed; by default workers are added while their parses together take no more memory
+    than the analysis will (so the parse phase never sets the peak) and CPUs are free."""
     total = sum(sizes)
     if not sizes or total < _POOL_MIN_BYTES:
-        return 1
+        return 0
     if workers is not None:
         return max(1, min(int(workers), len(sizes)))
-    spare = total * (1 - _TABLE_BYTES_PER_TRACE_BYTE) - _PROCESS_BYTES
     per_worker = _WORKER_BYTES_PER_TRACE_BYTE * max(sizes)
-    fits = int(spare // per_worker) if per_worker else 1
-    return max(1, min(os.cpu_count() or 1, len(sizes), fits))
+    fits = int(_ANALYSIS_BYTES_PER_TRACE_BYTE * total // per_worker) if per_worker else 1
+    n = max(1, min(os.cpu_count() or 1, len(sizes), fits))
+    if n == 1 and _start_method() != "fork":
+        # a spawned child imports pandas again (~0.3 s) and re-runs a script's unguarded
+        # top level: one child is worth it only where it is forked
+        return 0
+    return n
+
+
+def _start_method() -> str:
+    """How ProcessPoolExecutor will start processes here, without fixing the choice."""
+    import multiprocessing
+
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
 def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, progress=None,
@@ -623,8 +668,9 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
     """Load many traces -> (list of (StoredTable, meta) in job order, errors).
 
     ``jobs`` is a list of (path, rank or None). Valid cache entries are only looked up
-    (their footer); the rest are parsed here or in up to ``workers`` processes (default:
-    as many as memory allows, see _worker_count), one trace at a time per process. Each
+    (their footer); the rest are parsed in ``workers`` child processes (default: as many as
+    memory allows, see _worker_count; none for a few MB of traces), one trace at a time per
+    process. Each
     rank's table stays compact (its cache entry, or compressed Arrow bytes) until
     :func:`pptrace.ingest.columnar.frame_from_tables` assembles the run's frame once.
     ``errors`` lists one line per file that could not be loaded (its slot is None).
@@ -663,8 +709,7 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
         label = f"{label} on {describe(scheduler, workers)}"
         n_workers = 0
     else:
-        sizes = [os.path.getsize(jobs[i][0]) if os.path.exists(jobs[i][0]) else 0 for i in todo]
-        n_workers = _worker_count(workers, sizes)
+        n_workers = _worker_count(workers, [trace_size(jobs[i][0]) for i in todo])
     shown = phase(label, total=len(todo), enabled=progress)
 
     def collect(i, outcome):
@@ -681,7 +726,7 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
             from .cluster import map_jobs
 
             map_jobs(scheduler, workers, calls, collect)
-        elif n_workers > 1:
+        elif n_workers:
             with ProcessPoolExecutor(max_workers=n_workers) as pool:
                 futures = {pool.submit(_parse_job, *args): i for i, args in calls.items()}
                 for future in as_completed(futures):

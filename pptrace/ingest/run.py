@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import align, claims, infer, match, windows
+from . import align, claims, infer, match, memory, windows
 from .claims import is_count, is_index, shape
 from .activity import activities
 from ..errors import TraceError
@@ -428,6 +428,7 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
         )
     with phase(ASSEMBLE, enabled=progress):
         events = frame_from_tables(tables)  # empties `tables`
+        memory.release()
     _check_spread(events, metas)
     run_steps, differ = _check_steps(metas, warnings, path)
     if steps is not None:
