@@ -432,3 +432,27 @@ def test_a_stored_table_that_went_bad_is_one_clear_error(tmp_path):
     wrong = StoredTable(len(frame) + 3, ipc=StoredTable.pack(to_arrow(frame)).ipc)
     with pytest.raises(TraceError, match="rows where"):
         frame_from_tables([wrong])
+
+
+def test_rank_assignment_reads_only_the_head_when_it_has_everything(tmp_path):
+    """pptrace's traces carry the block and distributedInfo before the events: finding ranks
+    and layout then never inflates the .gz to its end (where Kineto puts baseTimeNanoseconds);
+    a block after the events is still found (the head alone is not enough then)."""
+    events = ",".join(f'{{"ph": "X", "name": "op", "pid": 1, "tid": 1, "ts": {i}, "dur": 1}}' for i in range(50_000))
+    block = '{"rank": 3, "world_size": 4, "layout": {"pp": 4}}'
+    dist = '{"rank": 3, "world_size": 4}'
+    before = f'{{"pptrace": {block}, "distributedInfo": {dist}, "traceEvents": [{events}], "baseTimeNanoseconds": 7}}'
+    after = f'{{"distributedInfo": {dist}, "traceEvents": [{events}], "pptrace": {block}, "baseTimeNanoseconds": 7}}'
+    for name, doc in (("before", before), ("after", after)):
+        path = tmp_path / f"{name}.json.gz"
+        path.write_bytes(gzip.compress(doc.encode()))
+        assert len(doc) > 2 * load._HEADER_PEEK  # the tail is a separate read
+        full = read_header(path)
+        assert full["pptrace"]["rank"] == 3 and full["baseTimeNanoseconds"] == 7
+        enough = read_header(path, enough=("pptrace", "distributedInfo"))
+        assert enough["pptrace"] == full["pptrace"] and enough["distributedInfo"] == full["distributedInfo"]
+        assert ("baseTimeNanoseconds" in enough) == (name == "after")  # the tail was read only when needed
+    # a head that is all there is to read: the tail's damage is the load's business
+    cut = gzip.compress(before.encode())
+    (tmp_path / "cut.json.gz").write_bytes(cut[: len(cut) // 2])
+    assert read_header(tmp_path / "cut.json.gz", enough=("pptrace", "distributedInfo"))["pptrace"]["rank"] == 3

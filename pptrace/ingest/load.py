@@ -372,16 +372,20 @@ def _normalize_header(header: dict, path: Path) -> dict:
     return header
 
 
-def _head_and_tail(path: Path) -> bytes | None:
+def _head_and_tail(path: Path, enough: tuple = ()) -> bytes | None:
     """The first and the last ``_HEADER_PEEK`` bytes of the (decompressed) trace joined at
     the events array's opening bracket, or the whole document when it is that small: what
     :func:`_locate_events` needs to see the metadata on both sides of ``traceEvents``
     (pptrace's own traces carry the pptrace block before the events; Kineto writes its
-    top-level metadata after them). The events between are streamed past, never parsed."""
+    top-level metadata after them). The events between are streamed past, never parsed.
+    ``enough``: keys that, all found before the events, make the head alone the answer (a
+    document with its events array emptied): no inflating a .gz to its end for them."""
     raw, _ = open_trace(path)
     with raw:
         fh = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == b"\x1f\x8b" else raw
         head = _strip_bom(fh.read(_HEADER_PEEK))
+        if enough and (alone := _head_alone(head, enough)) is not None:
+            return alone
         tail = fh.read(_HEADER_PEEK)
         if len(tail) < _HEADER_PEEK:
             return head + tail
@@ -397,19 +401,35 @@ def _head_and_tail(path: Path) -> bytes | None:
     return head[: bracket + 1] + tail
 
 
-def read_header(path, *, cached: bool = False) -> dict:
+def _head_alone(head: bytes, enough: tuple) -> bytes | None:
+    """The metadata before the events as a document of its own, if it holds all of ``enough``."""
+    key = head.find(_EVENTS_KEY)
+    bracket = head.find(b"[", key) if key >= 0 else -1
+    if bracket < 0:
+        return None
+    alone = head[: bracket + 1] + b"]}"
+    try:
+        found = orjson.loads(alone)
+    except orjson.JSONDecodeError:
+        return None
+    return alone if isinstance(found, dict) and all(found.get(k) is not None for k in enough) else None
+
+
+def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
     """The top-level metadata of a trace (distributedInfo, pptrace block, baseTimeNanoseconds,
     ...) wherever it sits, before or after ``traceEvents``, without building the events
     table. The one reader of headers: :func:`load_rank` gets its header from the same
     :func:`_locate_events` split of the whole document and keeps it in its meta, so that
     with ``cached`` a valid cache entry gives it without decompressing the trace (reaching
-    the metadata after the events of a .gz means inflating all of it)."""
+    the metadata after the events of a .gz means inflating all of it). ``enough``: keys
+    the caller needs; when the metadata before the events has all of them, the rest of
+    the header (Kineto's baseTimeNanoseconds, traceName, after the events) is not read."""
     path = Path(path)
     header = _cached_header(path) if cached else None
     if header is not None:
         return _checked(header, path)
     try:
-        ends = _head_and_tail(path)
+        ends = _head_and_tail(path, enough)
     except (OSError, EOFError, zlib.error):
         ends = None
     header = None

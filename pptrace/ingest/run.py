@@ -193,7 +193,8 @@ def _headers(files, warnings, cached: bool = True):
     found = []
     for path in files:
         try:
-            header = read_header(path, cached=cached)
+            # what ranks and layout are told by (pptrace's traces have both before the events)
+            header = read_header(path, cached=cached, enough=("pptrace", "distributedInfo"))
         except TraceError as exc:
             warnings.append(f"skipped: {exc}")
             continue
