@@ -226,7 +226,6 @@ def test_a_cold_load_parses_in_a_child_and_keeps_nothing_of_it(tmp_path, monkeyp
     with it); the parent gets the same tables, from the cache the child wrote."""
     run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=1, microbatches=2)
     here = load_run(run_dir, use_cache=False)
-    parsed_by = []
     original = load.load_rank
 
     def recording(*args, **kwargs):

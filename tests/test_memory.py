@@ -35,6 +35,6 @@ def test_a_pool_the_user_chose_stands():
 
 def test_the_library_alone_leaves_the_pool_alone():
     """Importing the loader (not the CLI) must not change a user's process."""
-    code = "import pyarrow; import pptrace.ingest.run; print(pyarrow.default_memory_pool().backend_name)"
+    code = "import pptrace.ingest.run, pyarrow; print(pyarrow.default_memory_pool().backend_name)"
     default = _pool(None, "import pyarrow; print(pyarrow.default_memory_pool().backend_name)")
     assert _pool(None, code) == default

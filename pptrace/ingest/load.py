@@ -659,8 +659,9 @@ def _worker_count(workers: int | None, sizes: list) -> int:
     in this process, for less than _POOL_MIN_BYTES of traces. Otherwise at least one: the
     heap a parse fragments then goes with the child, and the parent enters the analysis
     with only the tables (its peak is that of a cached run); where processes are spawned,
-    not forked, one child is not worth it (0). Explicit ``workers`` is obeyed; by default workers are added while their parses together take no more memory
-    than the analysis will (so the parse phase never sets the peak) and CPUs are free."""
+    not forked, one child is not worth it (0). Explicit ``workers`` is obeyed; by default
+    workers are added while their parses together take no more memory than the analysis
+    will (so the parse phase never sets the peak) and CPUs are free."""
     total = sum(sizes)
     if not sizes or total < _POOL_MIN_BYTES:
         return 0
@@ -690,8 +691,7 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
     ``jobs`` is a list of (path, rank or None). Valid cache entries are only looked up
     (their footer); the rest are parsed in ``workers`` child processes (default: as many as
     memory allows, see _worker_count; none for a few MB of traces), one trace at a time per
-    process. Each
-    rank's table stays compact (its cache entry, or compressed Arrow bytes) until
+    process. Each rank's table stays compact (its cache entry, or compressed Arrow bytes) until
     :func:`pptrace.ingest.columnar.frame_from_tables` assembles the run's frame once.
     ``errors`` lists one line per file that could not be loaded (its slot is None).
 
