@@ -394,17 +394,19 @@ def _head_and_tail(path: Path, enough: tuple = ()) -> bytes | None:
             if not more:
                 break
             tail = tail[len(more):] + more if len(more) < _HEADER_PEEK else more
+    bracket = _events_bracket(head)
+    return head[: bracket + 1] + tail if bracket >= 0 else None
+
+
+def _events_bracket(head: bytes) -> int:
+    """Where the events array opens in the first bytes of a trace (-1: not there)."""
     key = head.find(_EVENTS_KEY)
-    bracket = head.find(b"[", key) if key >= 0 else -1
-    if bracket < 0:
-        return None
-    return head[: bracket + 1] + tail
+    return head.find(b"[", key) if key >= 0 else -1
 
 
 def _head_alone(head: bytes, enough: tuple) -> bytes | None:
     """The metadata before the events as a document of its own, if it holds all of ``enough``."""
-    key = head.find(_EVENTS_KEY)
-    bracket = head.find(b"[", key) if key >= 0 else -1
+    bracket = _events_bracket(head)
     if bracket < 0:
         return None
     alone = head[: bracket + 1] + b"]}"
