@@ -14,6 +14,7 @@ from pptrace.instrument import parse_steps
 
 WORKER = textwrap.dedent(
     """
+    import faulthandler; faulthandler.enable()  # a crash shows where it happened
     import os, sys, torch, torch.distributed as dist
     import pptrace
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -33,10 +34,19 @@ WORKER = textwrap.dedent(
             with pptrace.region("dp:all_reduce", what="grad_norm", bytes=4):
                 dist.all_reduce(torch.ones(1))
             prof.step()
-    # both ranks past their trace export before either tears gloo down: a rank destroying
-    # its group while the peer still exports once aborted the peer ("terminate called")
+    # Neither rank tears gloo down while the other is still inside a gloo call: a rank
+    # destroying its group while the peer still exported aborted the peer ("terminate called
+    # without an active exception"), and after a gloo barrier it still did, rarely (a barrier
+    # returns on one rank before the other has finished it). The file store has no sockets.
     dist.barrier()
+    done = dist.FileStore(store + ".exit", world)
+    done.set(f"done{rank}", "1")
+    done.wait([f"done{r}" for r in range(world)])
     dist.destroy_process_group()
+    # Everything this test checks is on disk now; C++ teardown at interpreter exit (the
+    # same message in pytorch#190489) is not under test.
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
     """
 )
 
