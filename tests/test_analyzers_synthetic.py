@@ -6,12 +6,13 @@ comments, and every part must match to the nanosecond.
 """
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from pptrace.analyzers.partition import breakdown_table, partition_run
 from pptrace.vocab import PARTS
-from pptrace.ingest.intervals import Intervals, partition, union
+from pptrace.ingest.intervals import Intervals, partition, private_axes, union
 from pptrace.analyzers.p2p import link_table, match_pairs
 from pptrace.analyzers.bubble import balanced_theory_bubble, pipeline_stages, theory_step
 from pptrace.analyzers.stragglers import find_stragglers
@@ -44,6 +45,24 @@ def test_interval_covered_equals_the_intersection_per_query():
     assert expected == [0, 10, 0, 30, 5, 0, 0, 30]
     assert a.covered(*zip(*queries)).tolist() == expected
     assert Intervals.empty().covered([0], [10]).tolist() == [0]
+
+
+def test_private_axes_keep_each_keys_answer():
+    """Two keys whose intervals overlap in time: on their private axes one union and one
+    ``covered`` give each key what it gives alone, and touching ends never merge keys."""
+    keys = [3, 3, 1, 1, 1]
+    starts, ends = [0, 40, 10, 50, 0], [30, 60, 45, 60, 5]  # key 3 up to 60, key 1 from 0
+    shift = private_axes(keys, starts, ends)
+    both = union(np.add(starts, shift), np.add(ends, shift))
+    alone = {k: union([s for s, kk in zip(starts, keys) if kk == k], [e for e, kk in zip(ends, keys) if kk == k])
+             for k in (1, 3)}
+    assert len(both) == len(alone[1]) + len(alone[3]) and both.total == alone[1].total + alone[3].total
+    for k in (1, 3):
+        off = int(shift[keys.index(k)])
+        assert both.covered([off + 0, off + 20], [off + 60, off + 55]).tolist() == \
+            alone[k].covered([0, 20], [60, 55]).tolist()
+    with pytest.raises(ValueError, match="private axes"):
+        private_axes([0, 1, 2, 3], [0, 0, 0, 0], [2**61, 1, 1, 1])
 
 
 def test_partition_priority_and_exact_sum():

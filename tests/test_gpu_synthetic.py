@@ -13,6 +13,7 @@ data moves until 500: transfer 250.
 """
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from pptrace.ingest.activity import rank_activity
@@ -94,6 +95,16 @@ def test_gpu_timeline_overlap_idle_memcpy_launch_bound(run):
     report = build_report(run)
     gpu1 = report["ranks"][1]["steps"][0]["gpu"]
     assert round(gpu1["memcpy_s"] / US) == 30 and round(gpu1["idle_s"] / US) == 20
+
+
+def test_gpu_timeline_of_all_ranks_is_each_ranks_own(run):
+    """All ranks in one pass (private time axes) give every rank the rows it gets alone,
+    though both ranks use correlation ids 1..3 and share one clock."""
+    ev = run.events
+    together = gpu_timeline(ev)
+    alone = pd.concat([gpu_timeline(ev[(ev["rank"] == r).to_numpy()]) for r in (0, 1)], ignore_index=True)
+    assert len(together) == 2
+    pd.testing.assert_frame_equal(together, alone, check_exact=True)
 
 
 def test_sendrecv_kernel_of_an_all_to_all_is_a_collective():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..ingest.intervals import Intervals, union
+from ..ingest.intervals import Intervals, private_axes, union
 from ..ingest.windows import GPU_ACTIVITY, gpu_step_windows
 
 #: a step is flagged launch-bound when at least this share of its GPU idle time is
@@ -44,64 +44,108 @@ COLUMNS = (
 )
 
 
-def _iv(rows: pd.DataFrame) -> Intervals:
-    return union(rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64))
-
-
-def _launch_ends(ev: pd.DataFrame, work: pd.DataFrame) -> pd.Series:
+def _launch_ends(ev: pd.DataFrame, work: np.ndarray, host: np.ndarray, shift: np.ndarray) -> pd.Series:
     """GPU activity start -> earliest end of the launch calls of the activities starting
-    then (a gap is launch-bound only if none of them was queued before it began)."""
-    host = ev[(ev["lane_kind"] == "host").to_numpy() & (ev["category"] == "runtime").to_numpy()
-              & ev["correlation"].notna().to_numpy()]
-    launch = pd.Series(host["end_ns"].to_numpy(np.int64), index=host["correlation"].to_numpy(np.int64))
+    then (a gap is launch-bound only if none of them was queued before it began). Times on
+    the ranks' own axes; a correlation id means something only on its own rank."""
+    linked = ev["correlation"].notna().to_numpy()
+    rank = ev["rank"].to_numpy(np.int64)
+    corr = ev["correlation"].to_numpy(np.int64, na_value=0)
+    calls = host & (ev["category"] == "runtime").to_numpy() & linked
+    launch = pd.Series(ev["end_ns"].to_numpy(np.int64)[calls] + shift[calls],
+                       index=pd.MultiIndex.from_arrays([rank[calls], corr[calls]]))
     launch = launch[~launch.index.duplicated()]
-    linked = work[work["correlation"].notna()]
-    ends = launch.reindex(linked["correlation"].to_numpy(np.int64)).to_numpy()
-    table = pd.DataFrame({"start": linked["start_ns"].to_numpy(np.int64), "launch_end": ends}).dropna()
+    work = work & linked
+    ends = launch.reindex(pd.MultiIndex.from_arrays([rank[work], corr[work]])).to_numpy()
+    start = ev["start_ns"].to_numpy(np.int64)[work] + shift[work]
+    table = pd.DataFrame({"start": start, "launch_end": ends}).dropna()
     return table.groupby("start")["launch_end"].min()
 
 
-def rank_timeline(ev: pd.DataFrame, rank: int, windows: dict) -> list[dict]:
-    """GPU timeline rows of one rank for its (rank, step) windows."""
-    cat = ev["category"]
-    compute = _iv(ev[cat == "kernel_compute"])
-    comm = _iv(ev[cat == "kernel_comm"])
-    memcpy = _iv(ev[cat == "memcpy"])
-    busy = compute | comm | memcpy
-    work = ev[cat.isin(list(GPU_ACTIVITY)).to_numpy()]
-    launch_end = _launch_ends(ev, work)
-    runtime = _iv(ev[(ev["lane_kind"] == "host").to_numpy() & (cat == "runtime").to_numpy()])
-    rows = []
-    for (r, step), (start, end) in sorted(windows.items()):
-        if r != rank:
-            continue
-        clip = lambda iv: iv.clip(start, end)  # noqa: E731
-        c, m, mem, b = clip(compute), clip(comm), clip(memcpy), clip(busy)
-        gaps = Intervals.span(start, end) - b
-        bound = np.zeros(len(gaps), bool)
-        if len(gaps) and len(launch_end):
-            ends = launch_end.reindex(gaps.ends).to_numpy(dtype=float)
-            bound = ~np.isnan(ends) & (ends > gaps.starts)
-        waiting = union(gaps.starts[bound], gaps.ends[bound])
-        overlap = (m & c).total
-        idle, window = gaps.total, end - start
-        rows.append({
-            "rank": rank, "step": step, "start_ns": start, "end_ns": end, "time_s": window / 1e9,
-            "busy_s": b.total / 1e9, "compute_s": c.total / 1e9, "comm_s": m.total / 1e9,
-            "overlap_s": overlap / 1e9, "overlap_pct": 100.0 * overlap / m.total if m.total else None,
-            "comm_exposed_s": (m - c).total / 1e9, "memcpy_s": mem.total / 1e9,
-            "memcpy_exposed_s": (mem - c - m).total / 1e9, "idle_s": idle / 1e9,
-            "launch_bound_s": waiting.total / 1e9, "host_launching_s": (waiting & runtime).total / 1e9,
-            "launch_bound": is_launch_bound(idle, window, waiting.total),
-        })
-    return rows
+def _gaps(w_start: np.ndarray, w_end: np.ndarray, busy: Intervals):
+    """Per window (sorted, disjoint, possibly touching): the parts of it that ``busy`` leaves
+    free, as maximal runs that never cross from one window into the next -> (window index,
+    starts, ends)."""
+    points = np.unique(np.concatenate([w_start, w_end, busy.starts, busy.ends]))
+    if len(points) < 2:
+        return (np.zeros(0, np.int64),) * 3
+    lo, hi = points[:-1], points[1:]
+    win = np.searchsorted(w_start, lo, side="right") - 1
+    inside = (win >= 0) & (lo < w_end[np.maximum(win, 0)])
+    at = np.searchsorted(busy.starts, lo, side="right") - 1
+    taken = (at >= 0) & (lo < busy.ends[np.maximum(at, 0)]) if len(busy) else np.zeros(len(lo), bool)
+    free = inside & ~taken
+    lo, hi, win = lo[free], hi[free], win[free]
+    if not len(lo):
+        return win, lo, hi
+    # consecutive free segments of one window form one gap
+    first = np.ones(len(lo), bool)
+    first[1:] = (lo[1:] != hi[:-1]) | (win[1:] != win[:-1])
+    last = np.append(first[1:], True)
+    return win[first], lo[first], hi[last]
 
 
 def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     """One row per (rank, step) with GPU work: see COLUMNS (seconds; overlap in % of the
-    NCCL kernel time that ran under compute kernels)."""
+    NCCL kernel time that ran under compute kernels).
+
+    All ranks at once: each rank's times move onto an axis of its own (intervals.py
+    ``private_axes``), so one union, intersection or sweep serves every rank, and each
+    window's share of a set is read with ``covered``."""
     windows = gpu_step_windows(events, steps)
-    rows = []
-    for rank in sorted({r for r, _ in windows}):
-        rows += rank_timeline(events[(events["rank"] == rank).to_numpy()], rank, windows)
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+    if not windows:
+        return pd.DataFrame(columns=list(COLUMNS))
+    keys = sorted(windows)
+    w_rank = np.array([r for r, _ in keys], np.int64)
+    w_step = np.array([s for _, s in keys], np.int64)
+    w_start = np.array([windows[k][0] for k in keys], np.int64)
+    w_end = np.array([windows[k][1] for k in keys], np.int64)
+    ranks = events["rank"].to_numpy(np.int64)
+    offset = private_axes(np.concatenate([ranks, w_rank]),
+                          np.concatenate([events["start_ns"].to_numpy(np.int64), w_start]),
+                          np.concatenate([events["end_ns"].to_numpy(np.int64), w_end]))
+    shift, w_shift = offset[:len(ranks)], offset[len(ranks):]
+    ws, we = w_start + w_shift, w_end + w_shift
+    cat = events["category"]
+    host = (events["lane_kind"] == "host").to_numpy()
+
+    start, end = events["start_ns"].to_numpy(np.int64) + shift, events["end_ns"].to_numpy(np.int64) + shift
+
+    def of(mask) -> Intervals:
+        return union(start[mask], end[mask])
+
+    compute = of((cat == "kernel_compute").to_numpy())
+    comm = of((cat == "kernel_comm").to_numpy())
+    memcpy = of((cat == "memcpy").to_numpy())
+    busy = compute | comm | memcpy
+    runtime = of(host & (cat == "runtime").to_numpy())
+    launch_end = _launch_ends(events, cat.isin(list(GPU_ACTIVITY)).to_numpy(), host, shift)
+
+    def within(s: Intervals) -> np.ndarray:
+        return s.covered(ws, we)
+
+    c, m, mem, b = within(compute), within(comm), within(memcpy), within(busy)
+    overlap = within(comm & compute)
+    g_win, g_start, g_end = _gaps(ws, we, busy)
+    bound = np.zeros(len(g_win), bool)
+    if len(g_win) and len(launch_end):
+        ends = launch_end.reindex(g_end).to_numpy(dtype=float)
+        bound = ~np.isnan(ends) & (ends > g_start)
+    waiting = union(g_start[bound], g_end[bound])
+    idle = np.zeros(len(keys), np.int64)
+    np.add.at(idle, g_win, g_end - g_start)
+    waited = within(waiting)
+    window = w_end - w_start
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pct = np.where(m > 0, 100.0 * overlap / np.where(m > 0, m, 1), np.nan)
+    table = pd.DataFrame({
+        "rank": w_rank, "step": w_step, "start_ns": w_start, "end_ns": w_end, "time_s": window / 1e9,
+        "busy_s": b / 1e9, "compute_s": c / 1e9, "comm_s": m / 1e9,
+        "overlap_s": overlap / 1e9,
+        "overlap_pct": pct if (m > 0).any() else np.full(len(keys), None, object),
+        "comm_exposed_s": within(comm - compute) / 1e9, "memcpy_s": mem / 1e9,
+        "memcpy_exposed_s": within(memcpy - compute - comm) / 1e9, "idle_s": idle / 1e9,
+        "launch_bound_s": waited / 1e9, "host_launching_s": within(waiting & runtime) / 1e9,
+        "launch_bound": is_launch_bound(idle, window, waited),
+    })
+    return table[list(COLUMNS)]

@@ -110,6 +110,22 @@ def union_by_group(n_groups: int, group, starts, ends) -> list[Intervals]:
     return [Intervals(s, e) for s, e in zip(np.split(starts[new_run], cuts), np.split(reach[last], cuts))]
 
 
+def private_axes(keys, starts, ends) -> np.ndarray:
+    """Per row, an offset that moves each key's times onto an axis of its own: after
+    adding it, intervals of different keys lie apart (never touching), so that one union,
+    intersection or ``covered`` over all keys at once gives each key's own answer. Keys are
+    laid out in sorted order, each a span of all the times given (plus one) apart."""
+    keys, starts, ends = (np.asarray(a, np.int64) for a in (keys, starts, ends))
+    if not len(keys):
+        return np.zeros(0, np.int64)
+    lo, hi = int(starts.min()), int(max(ends.max(), starts.max()))
+    uniq, index = np.unique(keys, return_inverse=True)
+    stride = hi - lo + 1
+    if stride * len(uniq) >= 2**62:
+        raise ValueError(f"times span {stride} ns: too long for {len(uniq)} private axes in int64")
+    return index.astype(np.int64) * stride - lo
+
+
 def _boundaries(a: Intervals, b: Intervals):
     """Elementary segments between all boundaries, and whether each lies in a / in b."""
     points = np.sort(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
