@@ -108,7 +108,6 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     ws, we = w_start + w_shift, w_end + w_shift
     cat = events["category"]
     host = (events["lane_kind"] == "host").to_numpy()
-
     start, end = events["start_ns"].to_numpy(np.int64) + shift, events["end_ns"].to_numpy(np.int64) + shift
 
     def of(mask) -> Intervals:
