@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..ingest.intervals import Intervals, private_axes, union
+from ..ingest.intervals import Intervals, gaps_per_window, private_axes, union
 from ..ingest.windows import GPU_ACTIVITY, gpu_step_windows
 
 #: a step is flagged launch-bound when at least this share of its GPU idle time is
@@ -60,29 +60,6 @@ def _launch_ends(ev: pd.DataFrame, work: np.ndarray, host: np.ndarray, shift: np
     start = ev["start_ns"].to_numpy(np.int64)[work] + shift[work]
     table = pd.DataFrame({"start": start, "launch_end": ends}).dropna()
     return table.groupby("start")["launch_end"].min()
-
-
-def _gaps(w_start: np.ndarray, w_end: np.ndarray, busy: Intervals):
-    """Per window (sorted, disjoint, possibly touching): the parts of it that ``busy`` leaves
-    free, as maximal runs that never cross from one window into the next -> (window index,
-    starts, ends)."""
-    points = np.unique(np.concatenate([w_start, w_end, busy.starts, busy.ends]))
-    if len(points) < 2:
-        return (np.zeros(0, np.int64),) * 3
-    lo, hi = points[:-1], points[1:]
-    win = np.searchsorted(w_start, lo, side="right") - 1
-    inside = (win >= 0) & (lo < w_end[np.maximum(win, 0)])
-    at = np.searchsorted(busy.starts, lo, side="right") - 1
-    taken = (at >= 0) & (lo < busy.ends[np.maximum(at, 0)]) if len(busy) else np.zeros(len(lo), bool)
-    free = inside & ~taken
-    lo, hi, win = lo[free], hi[free], win[free]
-    if not len(lo):
-        return win, lo, hi
-    # consecutive free segments of one window form one gap
-    first = np.ones(len(lo), bool)
-    first[1:] = (lo[1:] != hi[:-1]) | (win[1:] != win[:-1])
-    last = np.append(first[1:], True)
-    return win[first], lo[first], hi[last]
 
 
 def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
@@ -125,7 +102,7 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
 
     c, m, mem, b = within(compute), within(comm), within(memcpy), within(busy)
     overlap = within(comm & compute)
-    g_win, g_start, g_end = _gaps(ws, we, busy)
+    g_win, g_start, g_end = gaps_per_window(ws, we, busy)
     bound = np.zeros(len(g_win), bool)
     if len(g_win) and len(launch_end):
         ends = launch_end.reindex(g_end).to_numpy(dtype=float)

@@ -146,6 +146,25 @@ def _boundaries(a: Intervals, b: Intervals):
     return lo, hi, inside(a), inside(b)
 
 
+def gaps_per_window(w_start, w_end, busy: Intervals):
+    """Per window (sorted, disjoint, possibly touching: steps): the parts ``busy`` leaves
+    free, as maximal runs that never cross into the next window -> (window index, starts,
+    ends). ``Intervals.span(start, end) - busy`` for every window in one sweep."""
+    w_start, w_end = np.asarray(w_start, np.int64), np.asarray(w_end, np.int64)
+    seg = _boundaries(Intervals(w_start, w_end), busy)  # not union(): touching windows stay apart
+    if seg is None:
+        return (np.zeros(0, np.int64),) * 3
+    lo, hi, in_window, taken = seg
+    free = in_window & ~taken
+    lo, hi = lo[free], hi[free]
+    win = np.searchsorted(w_start, lo, side="right") - 1
+    if not len(lo):
+        return win, lo, hi
+    first = np.ones(len(lo), bool)  # consecutive free segments of one window form one gap
+    first[1:] = (lo[1:] != hi[:-1]) | (win[1:] != win[:-1])
+    return win[first], lo[first], hi[np.append(first[1:], True)]
+
+
 def _select(a: Intervals, b: Intervals, rule) -> Intervals:
     seg = _boundaries(a, b)
     if seg is None:
