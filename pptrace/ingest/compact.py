@@ -27,6 +27,7 @@ from .lanes import reach_before
 #: traces), torch.distributed.pipelining's ``PP:`` actions.
 SIGNIFICANT_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms", "autograd::engine", "PP:")
 
+
 def _foldable_names(names: pd.Categorical) -> np.ndarray:
     """Per event: its name may fold (decided once per distinct name)."""
     cats = pd.Index(names.categories.astype(str))

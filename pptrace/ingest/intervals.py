@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .lanes import running_max
+
 
 @dataclass(frozen=True)
 class Intervals:
@@ -98,11 +100,7 @@ def union_by_group(n_groups: int, group, starts, ends) -> list[Intervals]:
     group, starts, ends = group[keep], starts[keep], ends[keep]
     order = np.lexsort((starts, group))
     group, starts, ends = group[order], starts[order], ends[order]
-    # reach (the running max of ends) restarts with each group: in dense ranks offset by
-    # group, a group's values all lie above those of the groups before it
-    uniq, rank = np.unique(ends, return_inverse=True)
-    size = len(uniq) + 1
-    reach = uniq[np.maximum.accumulate(group * size + rank) - group * size]
+    reach = running_max(group, ends)  # restarts with each group
     new_run = np.ones(len(starts), bool)
     new_run[1:] = (group[1:] != group[:-1]) | (starts[1:] > reach[:-1])
     last = np.flatnonzero(np.append(new_run[1:], True)[:len(starts)])  # each run's last interval

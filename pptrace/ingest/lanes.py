@@ -33,7 +33,12 @@ def reach_before(lane, end) -> np.ndarray:
     lane, end = np.asarray(lane), np.asarray(end, np.int64)
     if not len(end):
         return np.zeros(0, np.int64)
-    reach = pd.Series(end).groupby(lane).cummax().to_numpy(np.int64)
+    reach = running_max(lane, end)
     before = np.r_[np.iinfo(np.int64).min, reach[:-1]]
     before[np.r_[True, lane[1:] != lane[:-1]]] = np.iinfo(np.int64).min
     return before
+
+
+def running_max(lane, values) -> np.ndarray:
+    """For rows sorted by lane: the largest value of the lane up to and including each row."""
+    return pd.Series(np.asarray(values, np.int64)).groupby(np.asarray(lane)).cummax().to_numpy(np.int64)

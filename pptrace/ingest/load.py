@@ -623,13 +623,14 @@ def trace_size(path) -> int:
     """The decompressed size of a trace: a .gz's trailer gives it (modulo 4 GiB, so a
     length below the file's own is taken as the usual 10:1)."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
+        fh, st = open_trace(path)  # never a FIFO's open, which would block
+        with fh:
+            size = st.st_size
             if fh.read(2) != _GZIP_MAGIC or size < _GZIP_MIN_BYTES:
                 return size
             fh.seek(-8, os.SEEK_END)
             _, inflated = _gzip_trailer(fh.read(8))
-    except OSError:
+    except (OSError, TraceError):
         return 0
     return inflated if inflated >= size else 10 * size
 

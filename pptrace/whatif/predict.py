@@ -19,6 +19,7 @@ import pandas as pd
 from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, PASS_OPS, SCHEDULES, canonical, has_closed_form
 from .replay import PipelineTimes, Timeline, action_programs, simulate
 from ..ingest import exchanges
+from ..ingest.lanes import lane_keys
 from ..progress import WHATIF, WRITE, phased
 from ..output import write_file
 
@@ -180,8 +181,8 @@ def _overhead(ops: pd.DataFrame) -> float:
                       "start_ns": blocking["lo"], "end_ns": blocking["hi"]}),
     ])
     group = pd.MultiIndex.from_arrays([units["rank"].to_numpy(), units["step"].to_numpy()]).factorize()[0]
-    start_key, end_key = _in_group_order(group, units["start_ns"].to_numpy(np.int64),
-                                         units["end_ns"].to_numpy(np.int64))
+    start_key, end_key = lane_keys([group, group], [units["start_ns"].to_numpy(np.int64),
+                                                    units["end_ns"].to_numpy(np.int64)])
     s_order, e_order = np.argsort(start_key, kind="stable"), np.argsort(end_key, kind="stable")
     start_key, end_key = start_key[s_order], end_key[e_order]
     start, end = units["start_ns"].to_numpy(np.int64)[s_order], units["end_ns"].to_numpy(np.int64)[e_order]
@@ -197,19 +198,6 @@ def _overhead(ops: pd.DataFrame) -> float:
     return float(np.median(gaps)) / 1e9 if gaps.size else 0.0
 
 
-def _in_group_order(group: np.ndarray, *times: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Sort keys that order ``times`` by (group, time) in one comparable int64 each: every
-    time replaced by its rank among all of them, so no epoch-nanosecond product overflows."""
-    ranks = np.unique(np.concatenate(times), return_inverse=True)[1].astype(np.int64)
-    width = int(ranks.max()) + 1 if len(ranks) else 1
-    group = np.asarray(group, np.int64)
-    out, at = [], 0
-    for t in times:
-        out.append(group * width + ranks[at:at + len(t)])
-        at += len(t)
-    return tuple(out)
-
-
 def _post_cost(main: pd.DataFrame) -> float:
     """Median host time from posting an exchange that is waited later to the pass run
     meanwhile (ZB-H1's W, overlap_p2p_comm): the earliest p2p range opened since the rank's
@@ -222,7 +210,7 @@ def _post_cost(main: pd.DataFrame) -> float:
     g_pass, g_p2p = groups[is_pass], groups[is_p2p]
     pass_start, pass_end = main["start_ns"].to_numpy(np.int64)[is_pass], main["end_ns"].to_numpy(np.int64)[is_pass]
     p_start, p_end = main["start_ns"].to_numpy(np.int64)[is_p2p], main["end_ns"].to_numpy(np.int64)[is_p2p]
-    (keys,) = _in_group_order(np.r_[g_pass, g_p2p], np.r_[pass_start, p_start])
+    (keys,) = lane_keys([np.r_[g_pass, g_p2p]], [np.r_[pass_start, p_start]])
     pass_key, p2p_key = keys[:len(g_pass)], keys[len(g_pass):]
     order = np.argsort(pass_key, kind="stable")
     pass_key, g_pass, pass_start, pass_end = pass_key[order], g_pass[order], pass_start[order], pass_end[order]
