@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
+import orjson
 
 from pptrace.ingest import frame, load, store as cache
 from pptrace.ingest.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
@@ -208,6 +209,24 @@ def test_cache_skips_parsing_and_never_touches_traces(tmp_path, monkeypatch):
     os.utime(files[1], ns=(before[1][1] + 10**9, before[1][1] + 10**9))
     third = load_run(run_dir)
     assert (third.events["rank"] == 1).sum() == 1
+
+
+def test_a_block_after_the_events_still_gives_the_layout(tmp_path):
+    """Ranks are read from the heads (distributedInfo); a rewritten trace whose pptrace block
+    follows the events still has its layout (pp=2, which the headers alone would miss):
+    the run is the same as with the block before the events."""
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=2, microbatches=2)
+    moved = tmp_path / "moved" / "traces"
+    moved.mkdir(parents=True)
+    for f in find_trace_files(run_dir):
+        doc = orjson.loads(gzip.decompress(f.read_bytes()))
+        block = doc.pop("pptrace")
+        (moved / f.name).write_bytes(gzip.compress(orjson.dumps({**doc, "pptrace": block})))
+        assert read_header(moved / f.name, enough=("pptrace", "distributedInfo"))["pptrace"] is None
+    first, second = load_run(run_dir, use_cache=False), load_run(moved.parent, use_cache=False)
+    assert second.layout == first.layout and second.layout.pp == 2
+    assert second.warnings == first.warnings
+    pd.testing.assert_frame_equal(first.events, second.events)
 
 
 def test_parallel_load_matches_serial(tmp_path, monkeypatch):
@@ -434,23 +453,26 @@ def test_a_stored_table_that_went_bad_is_one_clear_error(tmp_path):
 
 
 def test_rank_assignment_reads_only_the_head_when_it_has_everything(tmp_path):
-    """pptrace's traces carry the block and distributedInfo before the events: finding ranks
-    and layout then never inflates the .gz to its end (where Kineto puts baseTimeNanoseconds);
-    a block after the events is still found (the head alone is not enough then)."""
+    """Kineto writes every add_metadata_json key (distributedInfo, the pptrace block) before
+    the events: finding ranks and layout then never inflates the .gz to its end (where it
+    puts baseTimeNanoseconds). A head with none of them is read to the end; one whose block
+    was moved after the events (a rewritten file) gives what the head has."""
     events = ",".join(f'{{"ph": "X", "name": "op", "pid": 1, "tid": 1, "ts": {i}, "dur": 1}}' for i in range(50_000))
     block = '{"rank": 3, "world_size": 4, "layout": {"pp": 4}}'
     dist = '{"rank": 3, "world_size": 4}'
     before = f'{{"pptrace": {block}, "distributedInfo": {dist}, "traceEvents": [{events}], "baseTimeNanoseconds": 7}}'
     after = f'{{"distributedInfo": {dist}, "traceEvents": [{events}], "pptrace": {block}, "baseTimeNanoseconds": 7}}'
-    for name, doc in (("before", before), ("after", after)):
+    plain = f'{{"schemaVersion": 1, "traceEvents": [{events}], "distributedInfo": {dist}, "baseTimeNanoseconds": 7}}'
+    for name, doc in (("before", before), ("after", after), ("plain", plain)):
         path = tmp_path / f"{name}.json.gz"
         path.write_bytes(gzip.compress(doc.encode()))
         assert len(doc) > 2 * load._HEADER_PEEK  # the tail is a separate read
         full = read_header(path)
-        assert full["pptrace"]["rank"] == 3 and full["baseTimeNanoseconds"] == 7
+        assert full["distributedInfo"]["rank"] == 3 and full["baseTimeNanoseconds"] == 7
         enough = read_header(path, enough=("pptrace", "distributedInfo"))
-        assert enough["pptrace"] == full["pptrace"] and enough["distributedInfo"] == full["distributedInfo"]
-        assert ("baseTimeNanoseconds" in enough) == (name == "after")  # the tail was read only when needed
+        assert enough["distributedInfo"] == full["distributedInfo"]
+        assert enough["pptrace"] == (full["pptrace"] if name == "before" else None)
+        assert ("baseTimeNanoseconds" in enough) == (name == "plain")  # the tail was read only when needed
     # a head that is all there is to read: the tail's damage is the load's business
     cut = gzip.compress(before.encode())
     (tmp_path / "cut.json.gz").write_bytes(cut[: len(cut) // 2])

@@ -385,8 +385,8 @@ def _head_and_tail(path: Path, enough: tuple = ()) -> bytes | None:
     :func:`_locate_events` needs to see the metadata on both sides of ``traceEvents``
     (pptrace's own traces carry the pptrace block before the events; Kineto writes its
     top-level metadata after them). The events between are streamed past, never parsed.
-    ``enough``: keys that, all found before the events, make the head alone the answer (a
-    document with its events array emptied): no inflating a .gz to its end for them."""
+    ``enough``: keys any of which, found before the events, makes the head alone the answer
+    (a document with its events array emptied): no inflating a .gz to its end for them."""
     raw, _ = open_trace(path)
     with raw:
         fh = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == _GZIP_MAGIC else raw
@@ -412,7 +412,7 @@ def _events_bracket(head: bytes) -> int:
 
 
 def _head_alone(head: bytes, enough: tuple) -> bytes | None:
-    """The metadata before the events as a document of its own, if it holds all of ``enough``."""
+    """The metadata before the events as a document of its own, if it holds any of ``enough``."""
     bracket = _events_bracket(head)
     if bracket < 0:
         return None
@@ -421,7 +421,7 @@ def _head_alone(head: bytes, enough: tuple) -> bytes | None:
         found = orjson.loads(alone)
     except orjson.JSONDecodeError:
         return None
-    return alone if isinstance(found, dict) and all(found.get(k) is not None for k in enough) else None
+    return alone if isinstance(found, dict) and any(found.get(k) is not None for k in enough) else None
 
 
 def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
@@ -431,8 +431,11 @@ def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
     :func:`_locate_events` split of the whole document and keeps it in its meta, so that
     with ``cached`` a valid cache entry gives it without decompressing the trace (reaching
     the metadata after the events of a .gz means inflating all of it). ``enough``: keys
-    the caller needs; when the metadata before the events has all of them, the rest of
-    the header (Kineto's baseTimeNanoseconds, traceName, after the events) is not read."""
+    written together (torch.profiler's add_metadata_json keys, which Kineto writes before
+    the events); when the metadata before the events has one of them, the rest of the
+    header (Kineto's baseTimeNanoseconds, traceName, after the events) is not read, and a
+    key of ``enough`` that a rewritten file moved after the events is missed: the caller
+    gets it from the load's full header (run.load_run)."""
     path = Path(path)
     header = _cached_header(path) if cached else None
     if header is not None:

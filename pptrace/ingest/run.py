@@ -395,8 +395,10 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     with phase(HEADERS, enabled=progress):
         by_rank = assign_ranks(_headers(files, warnings, cached=use_cache and compact), warnings)
     # a layout not given by the caller is checked against what the traces show (claims.cross_check)
+    guessed = len(warnings)
     run_layout, said = layout_of(by_rank, layout, warnings)
-    wanted = None
+    guessed = slice(guessed, len(warnings))  # its warnings, replaced if the layout is redone
+    wanted, headed = None, by_rank
     if ranks is not None:
         wanted = {int(r) for r in ranks}
         absent = sorted(wanted - set(by_rank))
@@ -418,6 +420,13 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     results = result = None
     if not metas:
         raise TraceError(f"{path}: no trace could be loaded; " + "; ".join(errors[:2]))
+    if any(m.get("pptrace") and not by_rank[r][1].get("pptrace") for r, m in metas.items()):
+        # a block after the events (a rewritten file; _headers read the head only): the
+        # layout is the full headers', its warnings in place of the first guess's
+        full = {r: (p, metas[r]["header"] if r in metas else h) for r, (p, h) in headed.items()}
+        redone: list[str] = []
+        run_layout, said = layout_of(full, layout, redone)
+        warnings[guessed] = redone
     world = run_layout.world_size
     expected = set(range(world)) if wanted is None else {r for r in wanted if 0 <= r < world}
     missing = sorted(expected - set(metas))
