@@ -28,7 +28,7 @@ from .lanes import reach_before
 SIGNIFICANT_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms", "autograd::engine", "PP:")
 
 
-def _foldable_names(names: pd.Categorical) -> np.ndarray:
+def foldable_names(names: pd.Categorical) -> np.ndarray:
     """Per event: its name may fold (decided once per distinct name)."""
     cats = pd.Index(names.categories.astype(str))
     ok = ~cats.str.startswith(SIGNIFICANT_PREFIXES)
@@ -36,45 +36,26 @@ def _foldable_names(names: pd.Categorical) -> np.ndarray:
     return np.where(codes >= 0, np.asarray(ok, bool)[codes], False)
 
 
-def nested_cpu_ops(df: pd.DataFrame) -> np.ndarray:
-    """Mask of the plain CPU ops that lie inside another CPU op of the same thread.
+def nested_cpu_ops(cpu: np.ndarray, plain: np.ndarray, pid: np.ndarray, tid: np.ndarray,
+                   start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Mask of the ``plain`` ops (foldable: no contract name, collective, tags or significant
+    name) among the ``cpu`` ops (``cpu_op`` on a host thread) that lie inside another CPU op
+    of the same thread. Called by the loader before the derived columns exist, so that
+    they are computed for the compact table only.
 
     Ops of a thread nest properly; in (thread, start, longest first) order an op is inside
     an earlier one exactly when the latest end of the CPU ops before it on its thread
     reaches its own end: one sort and one grouped running max."""
-    n = len(df)
-    if n == 0:
-        return np.zeros(0, bool)
-    host = (df["lane_kind"] == "host").to_numpy()
-    cpu = host & (df["cat"] == "cpu_op").to_numpy()
-    if not cpu.any():
-        return np.zeros(n, bool)
-    plain = (
-        cpu
-        & (df["category"] == "other").to_numpy()
-        & df["kind"].isna().to_numpy()
-        & df["collective"].isna().to_numpy()
-        & df["group_ranks"].isna().to_numpy()
-        & df["tags"].isna().to_numpy()
-        & _foldable_names(df["name"].array)
-    )
+    n = len(cpu)
+    plain = cpu & plain
     if not plain.any():
         return np.zeros(n, bool)
     idx = np.flatnonzero(cpu)
-    start, end = df["start_ns"].to_numpy(np.int64)[idx], df["end_ns"].to_numpy(np.int64)[idx]
-    pid, tid = df["pid"].to_numpy(np.int64)[idx], df["tid"].to_numpy(np.int64)[idx]
+    start, end = np.asarray(start, np.int64)[idx], np.asarray(end, np.int64)[idx]
+    pid, tid = np.asarray(pid, np.int64)[idx], np.asarray(tid, np.int64)[idx]
     order = np.lexsort((-end, start, tid, pid))
     idx, end = idx[order], end[order]
     thread = np.r_[0, np.cumsum((pid[order][1:] != pid[order][:-1]) | (tid[order][1:] != tid[order][:-1]))]
     out = np.zeros(n, bool)
     out[idx[reach_before(thread, end) >= end]] = True
     return out & plain
-
-
-def fold(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """``df`` without its nested plain CPU ops, and how many were folded."""
-    nested = nested_cpu_ops(df)
-    count = int(nested.sum())
-    if not count:
-        return df, 0
-    return df[~nested].reset_index(drop=True), count

@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from .compact import fold
+from .compact import foldable_names, nested_cpu_ops
 from .nccl import infer_nccl_p2p, link_nccl_kernels
 from .schema import (
     COLUMNS, GPU_CATS, NULLABLE_INT_COLUMNS, TAG_COLUMNS, RawArgs, RawEvent, classify, profiler_step_number,
@@ -275,20 +275,27 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
     if why.any():
         df, rpc, p2p, lost_steps = _drop(df, why, rpc, p2p, path, warnings)
         n = len(df)
-    _add_classification(df)
+    infos, inverse = _classes(df)
     gpu = df["cat"].isin(GPU_CATS).to_numpy()
+    main_tid = _main_tid(df, gpu, _per_row(infos, inverse, lambda d: d["category"] == "step"))
+    folded = 0
+    if compact:  # fold first: every column below is derived for the compact rows only
+        nested = _nested(df, infos, inverse, rpc)
+        folded = int(nested.sum())
+        if folded:
+            df, rpc, p2p = _keep_rows(df, ~nested, rpc, p2p)
+            inverse, gpu = inverse[~nested], gpu[~nested]
+    _add_classification(df, infos, inverse)
     # gpu_user_annotation events carry no "stream" arg; their tid is the stream.
     no_stream = gpu & df["stream"].isna().to_numpy()
     if no_stream.any():
         df.loc[no_stream, "stream"] = df.loc[no_stream, "tid"].to_numpy()
-    main_tid = _main_tid(df, gpu)
     _add_lanes(df, gpu, main_tid, threads)
     _add_rpc(df, rpc)
     _add_p2p_args(df, p2p)
     link_nccl_kernels(df)
     _add_steps(df, gpu)
     infer_nccl_p2p(df, rank, warnings)  # plain NCCL traces: send/recv -> pp rows
-    df, folded = fold(df) if compact else (df, 0)
     info = {
         "threads": {int(k): v for k, v in threads.items()},
         "main_tid": main_tid,
@@ -326,10 +333,16 @@ def _drop(df: pd.DataFrame, why: np.ndarray, rpc: dict, p2p: dict, path, warning
     steps = int(np.isin(names, marks).sum()) if marks else 0
     lost = f" (of which {steps} ProfilerStep ranges)" if steps else ""
     warnings.append(f"{path}: {n} event{'s' * (n > 1)} dropped: {detail}{lost}; the other events are analyzed")
+    df, rpc, p2p = _keep_rows(df, keep, rpc, p2p)
+    return df, rpc, p2p, steps
+
+
+def _keep_rows(df: pd.DataFrame, keep: np.ndarray, rpc: dict, p2p: dict):
+    """The ``keep`` rows of ``df``, and rpc/p2p (keyed by row) renumbered to match."""
     row = np.cumsum(keep) - 1  # old row -> new row
     rpc = {int(row[k]): v for k, v in rpc.items() if keep[k]}
     p2p = {int(row[k]): v for k, v in p2p.items() if keep[k]}
-    return df[keep].reset_index(drop=True), rpc, p2p, steps
+    return df[keep].reset_index(drop=True), rpc, p2p
 
 
 _NO_ARGS: dict = {}
@@ -425,7 +438,8 @@ def _name_thread(threads: dict, tid, name) -> None:
         threads[tid] = label
 
 
-def _add_classification(df: pd.DataFrame) -> None:
+def _classes(df: pd.DataFrame) -> tuple[list, np.ndarray]:
+    """(:func:`classify` of each distinct (name, cat), per row the index of its entry)."""
     names, cats = df["name"].cat, df["cat"].cat
     ncat = len(cats.categories) + 1
     key = names.codes.to_numpy().astype(np.int64) * ncat + (cats.codes.to_numpy().astype(np.int64) + 1)
@@ -434,6 +448,29 @@ def _add_classification(df: pd.DataFrame) -> None:
     for k in uniq:
         c = int(k % ncat) - 1
         infos.append(classify(names.categories[int(k // ncat)], cats.categories[c] if c >= 0 else None))
+    return infos, inverse
+
+
+def _per_row(infos: list, inverse: np.ndarray, test) -> np.ndarray:
+    """``test`` of each row's classification, decided once per distinct (name, cat)."""
+    return np.asarray([bool(test(d)) for d in infos], dtype=bool)[inverse] if infos else np.zeros(0, bool)
+
+
+def _nested(df: pd.DataFrame, infos: list, inverse: np.ndarray, rpc: dict) -> np.ndarray:
+    """compact.nested_cpu_ops of the table: a plain op has no contract name or tags
+    (classification), no collective or group (its record_param_comms args) and a name
+    that may fold."""
+    plain = _per_row(infos, inverse, lambda d: d["category"] == "other" and d["kind"] is None and d["tags"] is None)
+    plain &= foldable_names(df["name"].array)
+    said = [r for r, a in rpc.items() if a.get(_RPC_FIELDS["collective"]) is not None
+            or a.get(_RPC_FIELDS["group_ranks"]) is not None]
+    plain[np.asarray(said, dtype=np.int64)] = False
+    cpu = (df["cat"] == "cpu_op").to_numpy()
+    return nested_cpu_ops(cpu, plain, df["pid"].to_numpy(), df["tid"].to_numpy(),
+                          df["start_ns"].to_numpy(), df["end_ns"].to_numpy())
+
+
+def _add_classification(df: pd.DataFrame, infos: list, inverse: np.ndarray) -> None:
     for column in ("kind", "op", "tags", "category"):
         codes, uniques = pd.factorize(pd.Series([d[column] for d in infos], dtype=object))
         df[column] = pd.Categorical.from_codes(codes[inverse], categories=pd.Index(uniques, dtype=object))
@@ -442,14 +479,16 @@ def _add_classification(df: pd.DataFrame) -> None:
     df["is_nccl"] = np.asarray([d["is_nccl"] for d in infos], dtype=bool)[inverse] if infos else np.zeros(0, bool)
 
 
-def _main_tid(df: pd.DataFrame, gpu: np.ndarray) -> int | None:
-    host = df.loc[~gpu, ["pid", "tid", "category"]]
+def _main_tid(df: pd.DataFrame, gpu: np.ndarray, is_step: np.ndarray) -> int | None:
+    """The main thread: the host tid most events have where tid == pid, else the one with
+    most ProfilerStep ranges, else the busiest (counted before folding)."""
+    host = df.loc[~gpu, ["pid", "tid"]]
     if host.empty:
         return None
     own = host.loc[host["pid"] == host["tid"], "tid"]
     if not own.empty:
         return int(own.mode().iloc[0])
-    stepped = host.loc[host["category"] == "step", "tid"]
+    stepped = host.loc[is_step[~gpu], "tid"]
     return int((stepped if not stepped.empty else host["tid"]).mode().iloc[0])
 
 
