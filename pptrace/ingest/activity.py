@@ -29,7 +29,7 @@ from .schema import tags_of
 from .nccl import group_members, is_p2p_collective
 from .projection import gpu_extent
 from .intervals import Intervals, union_by_group
-from .lanes import dense_ranks
+from .lanes import dense_ranks, dominance_max
 from ..vocab import COMM_DIMS, LAYOUT_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
@@ -83,56 +83,6 @@ def _runs(n_groups: int, group: np.ndarray) -> np.ndarray:
     """For rows sorted by group: the first row of each group."""
     count = np.bincount(group, minlength=n_groups)
     return np.cumsum(count) - count
-
-
-def _dominance_max(p_group, p_lo, p_hi, p_w, q_group, q_lo, q_hi) -> np.ndarray:
-    """Per query, the largest weight p_w (>= 0) among the points of its group with
-    p_lo <= q_lo and p_hi >= q_hi; -1 where none: which intervals contain a time (q_hi =
-    q_lo + 1) or an interval.
-
-    Points sorted by (group, lo) are cut into aligned blocks of 2**level: the points of a
-    query (its group's, up to q_lo) are one run of positions, the union of O(log n) blocks,
-    and within a block, points sorted by hi answer with a suffix maximum."""
-    out = np.full(len(q_lo), -1, np.int64)
-    n = len(p_lo)
-    if n == 0 or len(q_lo) == 0:
-        return out
-    order = np.lexsort((p_lo, p_group))
-    p_group, p_lo, p_hi, p_w = p_group[order], p_lo[order], p_hi[order], p_w[order]
-    (lo_p, lo_q), lo_size = dense_ranks(p_lo, q_lo)
-    left = np.searchsorted(p_group, q_group, "left")
-    right = np.searchsorted(p_group * lo_size + lo_p, q_group * lo_size + lo_q, "right")
-    (hi_p, hi_q), hi_size = dense_ranks(p_hi, q_hi)
-    span = int(p_w.max()) + 1
-    pos = np.arange(n)
-    level = 0
-    while (left < right).any():
-        block = pos >> level
-        order = np.argsort(block * hi_size + hi_p, kind="stable")
-        key, blk = (block * hi_size + hi_p)[order], block[order]
-        # suffix maxima within blocks; reversed, each block is offset above the ones after it
-        shift = (blk[-1] + 1 - blk) * span
-        suffix = np.maximum.accumulate((p_w[order] + shift)[::-1])[::-1] - shift
-
-        def probe(take, b):  # the queries ``take`` read block b of this level
-            j = np.searchsorted(key, b * hi_size + hi_q[take], "left")
-            j_in = np.minimum(j, n - 1)
-            ok = (j < n) & (blk[j_in] == b)
-            rows = np.flatnonzero(take)[ok]
-            out[rows] = np.maximum(out[rows], suffix[j_in[ok]])
-
-        # the usual bottom-up walk of a segment tree over [left, right)
-        active = left < right
-        take = active & (left & 1 == 1)
-        probe(take, left[take])
-        left[take] += 1
-        take = active & (right & 1 == 1)
-        right[take] -= 1
-        probe(take, right[take])
-        left >>= 1
-        right >>= 1
-        level += 1
-    return out
 
 
 # -- host ranges --------------------------------------------------------------------------------
@@ -245,7 +195,7 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
                     & (rng["end"] > rng["start"])).to_numpy()]
     # innermost: the latest start, then the first row, as weights ranking the ranges
     contract = contract.iloc[np.lexsort((-contract["row"].to_numpy(), contract["start"].to_numpy()))]
-    inner = _dominance_max(contract["group"].to_numpy(), contract["start"].to_numpy(), contract["end"].to_numpy(),
+    inner = dominance_max(contract["group"].to_numpy(), contract["start"].to_numpy(), contract["end"].to_numpy(),
                            np.arange(len(contract)), group[work], t, t + 1)
     found = inner >= 0
     work, inner = work[found], contract.iloc[inner[found]]
@@ -313,7 +263,7 @@ def _innermost_compute(rng: pd.DataFrame) -> tuple:
     order = np.lexsort((b_time, b_lane))
     b_lane, b_time = b_lane[order], b_time[order]
     seg = np.flatnonzero((b_lane[1:] == b_lane[:-1]) & (b_time[1:] > b_time[:-1]))
-    best = _dominance_max(lane, starts, ends, weight, b_lane[seg], b_time[seg], b_time[seg + 1])
+    best = dominance_max(lane, starts, ends, weight, b_lane[seg], b_time[seg], b_time[seg + 1])
     seg = seg[(best >= 0) & (best % 2 == 1)]
     return lane_group[b_lane[seg]], b_time[seg], b_time[seg + 1]
 
@@ -377,8 +327,8 @@ def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: 
     lane = _codes(np.r_[group[ann], group[nccl], group[nccl]], np.r_[stream, np.full(len(nccl), -1)])
     a_lane, k_lane, any_lane = np.split(lane, [len(ann), len(ann) + len(nccl)])
     ks, ke, weight = start[nccl], end[nccl], np.arange(len(ann))
-    last = np.maximum(_dominance_max(a_lane, start[ann], end[ann], weight, k_lane, ks, ke),
-                      _dominance_max(a_lane, start[ann], end[ann], weight, any_lane, ks, ke))
+    last = np.maximum(dominance_max(a_lane, start[ann], end[ann], weight, k_lane, ks, ke),
+                      dominance_max(a_lane, start[ann], end[ann], weight, any_lane, ks, ke))
     dim = np.empty(len(nccl), object)
     annotated = last >= 0
     dim[annotated] = ev["kind"].iloc[ann[last[annotated]]].to_numpy(object)

@@ -42,3 +42,53 @@ def reach_before(lane, end) -> np.ndarray:
 def running_max(lane, values) -> np.ndarray:
     """For rows sorted by lane: the largest value of the lane up to and including each row."""
     return pd.Series(np.asarray(values, np.int64)).groupby(np.asarray(lane)).cummax().to_numpy(np.int64)
+
+
+def dominance_max(p_group, p_lo, p_hi, p_w, q_group, q_lo, q_hi) -> np.ndarray:
+    """Per query, the largest weight p_w (>= 0) among the points of its group with
+    p_lo <= q_lo and p_hi >= q_hi; -1 where none: which intervals contain a time (q_hi =
+    q_lo + 1) or an interval.
+
+    Points sorted by (group, lo) are cut into aligned blocks of 2**level: the points of a
+    query (its group's, up to q_lo) are one run of positions, the union of O(log n) blocks,
+    and within a block, points sorted by hi answer with a suffix maximum."""
+    out = np.full(len(q_lo), -1, np.int64)
+    n = len(p_lo)
+    if n == 0 or len(q_lo) == 0:
+        return out
+    order = np.lexsort((p_lo, p_group))
+    p_group, p_lo, p_hi, p_w = p_group[order], p_lo[order], p_hi[order], p_w[order]
+    (lo_p, lo_q), lo_size = dense_ranks(p_lo, q_lo)
+    left = np.searchsorted(p_group, q_group, "left")
+    right = np.searchsorted(p_group * lo_size + lo_p, q_group * lo_size + lo_q, "right")
+    (hi_p, hi_q), hi_size = dense_ranks(p_hi, q_hi)
+    span = int(p_w.max()) + 1
+    pos = np.arange(n)
+    level = 0
+    while (left < right).any():
+        block = pos >> level
+        order = np.argsort(block * hi_size + hi_p, kind="stable")
+        key, blk = (block * hi_size + hi_p)[order], block[order]
+        # suffix maxima within blocks; reversed, each block is offset above the ones after it
+        shift = (blk[-1] + 1 - blk) * span
+        suffix = np.maximum.accumulate((p_w[order] + shift)[::-1])[::-1] - shift
+
+        def probe(take, b):  # the queries ``take`` read block b of this level
+            j = np.searchsorted(key, b * hi_size + hi_q[take], "left")
+            j_in = np.minimum(j, n - 1)
+            ok = (j < n) & (blk[j_in] == b)
+            rows = np.flatnonzero(take)[ok]
+            out[rows] = np.maximum(out[rows], suffix[j_in[ok]])
+
+        # the usual bottom-up walk of a segment tree over [left, right)
+        active = left < right
+        take = active & (left & 1 == 1)
+        probe(take, left[take])
+        left[take] += 1
+        take = active & (right & 1 == 1)
+        right[take] -= 1
+        probe(take, right[take])
+        left >>= 1
+        right >>= 1
+        level += 1
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .lanes import lane_keys
+from .lanes import dominance_max, lane_keys
 from ..vocab import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, collective_key
 
 #: columns filled on a kernel from its launching record_param_comms when the kernel lacks them
@@ -59,30 +59,13 @@ def _innermost(op_lane: np.ndarray, op_start: np.ndarray, op_end: np.ndarray,
     """Per query [start, end] on thread ``lane`` (>= 0): the op of that thread around it
     (op_start <= start, op_end >= end) that starts last, the last listed of those starting
     together (as index into the op arrays); -1 where none is."""
-    out = np.full(len(lane), -1, np.int64)
-    if not len(op_lane) or not len(lane):
-        return out
     order = np.lexsort((op_start, op_lane))  # stable: listed order among equal starts
-    o_lane, o_end = op_lane[order], np.asarray(op_end, np.int64)[order]
-    o_key, q_key = lane_keys([o_lane, lane], [np.asarray(op_start)[order], start])
-    pos = np.searchsorted(o_key, q_key, side="right") - 1  # the last op starting at or before it
-    lo = np.searchsorted(o_lane, lane, side="left")  # the thread's first op
-    # Step back from pos to the last op reaching to the query's end: skip blocks of 2^k ops
-    # that all end before it (greedy from large blocks down), read from a table of the
-    # largest end in each block of 2^k ops ending at a position.
-    reach = [o_end]
-    while (1 << len(reach)) <= len(o_end):
-        half, prev = 1 << (len(reach) - 1), reach[-1]
-        nxt = prev.copy()
-        nxt[half:] = np.maximum(prev[half:], prev[:-half])
-        reach.append(nxt)
-    end = np.asarray(end, np.int64)
-    for k in range(len(reach) - 1, -1, -1):
-        skip = (pos - (1 << k) + 1 >= lo) & (reach[k][np.clip(pos, 0, None)] < end)
-        pos = np.where(skip, pos - (1 << k), pos)
-    found = pos >= lo
-    out[found] = order[pos[found]]
-    return out
+    weight = np.empty(len(order), np.int64)
+    weight[order] = np.arange(len(order))  # later start (or listed later) weighs more
+    best = dominance_max(np.asarray(op_lane, np.int64), np.asarray(op_start, np.int64),
+                         np.asarray(op_end, np.int64), weight, np.asarray(lane, np.int64),
+                         np.asarray(start, np.int64), np.asarray(end, np.int64))
+    return np.where(best >= 0, order[np.clip(best, 0, None)], -1) if len(order) else best
 
 
 def link_nccl_kernels(df: pd.DataFrame) -> int:
