@@ -480,8 +480,8 @@ def _add_classification(df: pd.DataFrame, infos: list, inverse: np.ndarray) -> N
 
 
 def _main_tid(df: pd.DataFrame, gpu: np.ndarray, is_step: np.ndarray) -> int | None:
-    """The main thread: the host tid most events have where tid == pid, else the one with
-    most ProfilerStep ranges, else the busiest (counted before folding)."""
+    """The main thread: the most frequent host tid among events whose tid is their pid,
+    else the tid of most ProfilerStep ranges, else the busiest (counted before folding)."""
     host = df.loc[~gpu, ["pid", "tid"]]
     if host.empty:
         return None
