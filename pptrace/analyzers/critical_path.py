@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from ..ingest import exchanges
+from ..ingest.lanes import running_max
 from ..ingest.schema import COMM_CATEGORIES
 
 SEGMENT_COLUMNS = ("rank", "stage", "phase", "start_ns", "end_ns", "dur_ns")
@@ -172,7 +173,7 @@ def _graph(rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> _Graph:
     # work: overlapping ranges merge; a unit is named after its first range
     wo = order[~is_p2p[order]]
     wg, ws, we = group[wo], start[wo], end[wo]
-    reach = pd.Series(we).groupby(wg).cummax().to_numpy() if len(wo) else we
+    reach = running_max(wg, we)
     new = np.r_[True, (wg[1:] != wg[:-1]) | (ws[1:] >= reach[:-1])] if len(wo) else np.zeros(0, bool)
     heads = np.flatnonzero(new)
     w_unit = np.cumsum(new) - 1
