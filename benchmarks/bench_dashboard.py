@@ -101,10 +101,8 @@ def main(argv=None) -> int:
     from tracegen import pipeline_run
 
     from dashboards.page import build_figures, render_html
-    from pptrace.analyzers.partition import partition_run
-    from pptrace.export.report import build_report
+    from pptrace.analysis import analyze
     from pptrace.ingest.run import load_run
-    from pptrace.whatif.predict import whatif
 
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_dashboard_"))
     t = time.perf_counter()
@@ -115,14 +113,16 @@ def main(argv=None) -> int:
     run = load_run(run_dir, use_cache=False)
     t_load = time.perf_counter() - t
     t = time.perf_counter()
-    report = build_report(run)
+    analysis = analyze(run)
+    report = analysis.to_json()
     t_report = time.perf_counter() - t
-    # what `pptrace dashboard` gathers before drawing: the page itself analyses nothing
+    # what `pptrace dashboard` gathers before drawing (the page itself analyses nothing): the
+    # partitions the report was built from, kept by the analysis, and the replay
     t = time.perf_counter()
-    partitions = partition_run(run)
+    partitions = analysis.partitions
     t_part = time.perf_counter() - t
     t = time.perf_counter()
-    result = whatif(run)
+    result, _ = analysis.replay
     t_whatif = time.perf_counter() - t
     t = time.perf_counter()
     figures = build_figures(run, report, partitions=partitions, whatif_result=result)

@@ -14,8 +14,7 @@ import numpy as np
 import pandas as pd
 
 from pptrace.ingest.projection import gpu_extent
-from pptrace.ingest.schema import COMM_CATEGORIES
-from pptrace.vocab import ACTION_OF, COMM_DIMS
+from pptrace.vocab import ACTION_OF, COMM_CATEGORIES, COMM_DIMS
 
 #: compute ops -> the phase letter of the Megatron / Zero Bubble pipeline diagrams, which draw
 #: a split backward's input-gradient half as B

@@ -247,6 +247,14 @@ def _first_error(store_dir: str) -> str | None:
     return min(found)[1] if found else None
 
 
+def start_method() -> str:
+    """How the local ranks start: forked on Linux, so that each shares the torch this process
+    imported instead of importing its own (~3 s of CPU a rank on a 2-core box, half of a small
+    run's time); spawned where fork is unsafe (macOS, Windows) or would inherit an initialised
+    CUDA context."""
+    return "fork" if sys.platform.startswith("linux") and not torch.cuda.is_initialized() else "spawn"
+
+
 def run(config: TrainConfig) -> None:
     """Train with ``config``: as one rank under torchrun, else by spawning local processes.
     Raises TrainingFailed (one-line message) if any rank fails."""
@@ -280,7 +288,7 @@ def run(config: TrainConfig) -> None:
         try:
             mp.start_processes(
                 _spawned_worker, args=(config, store_dir), nprocs=config.world_size,
-                join=True, start_method="spawn",
+                join=True, start_method=start_method(),
             )
         except ProcessException as exc:
             raise TrainingFailed(_first_error(store_dir) or " ".join(str(exc).split())) from None

@@ -1,6 +1,6 @@
 """pptrace: profiling and tracing for Megatron-style distributed PyTorch training.
 
-Instrumentation (``profile``, ``region``) needs torch; analysis (``load_run``) does not, so
+Instrumentation (``profile``, ``region``) needs torch; analysis (``analyze``, ``load_run``) does not, so
 both are imported on first use: `pptrace analyze` and its loader processes skip torch's
 ~1.5 s and ~300 MB import.
 """
@@ -8,9 +8,11 @@ from .naming import RangeName, format_name, parse_name
 from .topology import Layout
 
 __version__ = "0.1.0"
-__all__ = ["Layout", "RangeName", "format_name", "load_run", "parse_name", "profile", "region", "__version__"]
+__all__ = ["Analysis", "Layout", "RangeName", "analyze", "format_name", "load_run", "parse_name", "profile", "region",
+           "__version__"]
 
-_LAZY = {"profile": "instrument", "region": "instrument", "load_run": "ingest.run"}
+_LAZY = {"profile": "instrument", "region": "instrument", "load_run": "ingest.run", "analyze": "analysis",
+         "Analysis": "analysis"}
 
 
 def __getattr__(name):

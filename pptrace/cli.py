@@ -352,7 +352,8 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
     stage), pipeline sends and receives, the tensor-, context- and data-parallel communication
     that compute did not hide, and the ranks that hold the others back. A legend under the
     tables says what their columns mean."""
-    from .export.report import build_report, print_report
+    from .analysis import analyze as analyze_run
+    from .export.report import print_report
 
     if with_hta:
         from .export.hta import INSTALL_HINT, hta_available
@@ -361,7 +362,8 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
             raise click.ClickException(INSTALL_HINT)
     html_out = _output(run_dir, html_out, "--html")
     run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **dask)
-    report = build_report(run)
+    analysis = analyze_run(run)
+    report = analysis.to_json()
     comparison = None
     if with_hta:
         from .export.hta import compare
@@ -379,7 +381,7 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
     if html_out:
         from .export.dashboard import write_page
 
-        write_page(run, report, html_out)
+        write_page(analysis, html_out)
         _console(stderr=True).print(f"dashboard: {html_out}")
 
 
@@ -393,13 +395,12 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
 @_one_line_errors
 def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir, dask):
     """One self-contained interactive HTML page: the pipeline as it ran, breakdowns, overlap, stragglers."""
-    from .export.report import build_report
+    from .analysis import analyze as analyze_run
+    from .export.dashboard import write_page
 
     output = _output(run_dir, output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html", "-o")
     run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **dask)
-    from .export.dashboard import write_page
-
-    path = write_page(run, build_report(run), output, png_dir=png_dir)
+    path = write_page(analyze_run(run), output, png_dir=png_dir)
     click.echo(f"dashboard: {path}", err=_is_stdout(path))
     if png_dir:
         click.echo(f"figures: {png_dir}")
@@ -477,13 +478,13 @@ def demo(out: Path, trainer_args):
     if train_main(argv) != 0:
         raise click.ClickException("the reference trainer failed (see the line above)")
 
-    from .export.report import build_report, print_report
+    from .analysis import analyze as analyze_run
+    from .export.dashboard import write_page
+    from .export.report import print_report
 
-    run = _load(out)
-    report = build_report(run)
+    analysis = analyze_run(_load(out))
+    report = analysis.to_json()
     print_report(report, _console())
     _write_json(report, str(out / "analysis.json"))
-    from .export.dashboard import write_page
-
-    html = write_page(run, report, out / "report.html")
+    html = write_page(analysis, out / "report.html")
     click.echo(f"\nanalysis: {out / 'analysis.json'}\ndashboard: {html}")

@@ -16,6 +16,8 @@ LAYOUT_DIMS = ("tp", "cp", "pp", "dp")
 #: Dimensions whose communication the step partition tells apart (``<dim>_exposed`` /
 #: ``<dim>_hidden``); pp is not one: its p2p is split into transfer and bubble instead.
 COMM_DIMS = ("tp", "cp", "dp", "ep")
+#: The events table's category of a contract range of each communication dimension.
+COMM_CATEGORIES = tuple(f"comm:{d}" for d in COMM_DIMS)
 #: Kinds of contract-1 range names; other kinds parse but are foreign to the analyses.
 RANGE_KINDS = ("compute", "tp", "cp", "pp", "dp", "ep")
 #: The layout dimensions whose group a collective of each range kind spans. Megatron syncs

@@ -41,7 +41,9 @@ def _worker(rank, world_size, store_dir, fn, args, results):
 
 def run_gloo(world_size: int, fn, *args, timeout: float = 120):
     """``[fn(*args) on rank 0, ..., on rank world_size-1]``."""
-    ctx = mp.get_context("spawn")
+    from instrumented_model.train import start_method
+
+    ctx = mp.get_context(start_method())
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gloo-") as store_dir:
         procs = [

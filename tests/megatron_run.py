@@ -20,8 +20,11 @@ Profiling (``mode``):
   writing ``out_dir/traces/rank{r}.json.gz`` for the same steps; no pptrace in the run at all.
 
 Ground truth goes to ``out_dir/truth/rank{r}.json``: every pass's measured sleep (epoch ns from
-``time.time_ns`` and perf-counter ns), its step, stage, microbatch and chunk, and every step's
-start/end.
+``time.time_ns`` and perf-counter ns), its step, stage, microbatch and chunk; every call of
+Megatron's ``forward_step`` / ``backward_step`` (``frames``: the pass as the framework ran it,
+its bookkeeping and autograd around the sleep included); and every step's start/end with the
+schedule call (``pipeline_start_ns`` / ``pipeline_end_ns``) and the closing all-reduce
+(``reduce_start_ns`` / ``reduce_end_ns``) inside it.
 
 Megatron-Core needs CUDA in three places of its pipeline code (a ``torch.zeros(device="cuda")``
 in schedules.py, ``device=torch.cuda.current_device()`` for p2p recv buffers, and
@@ -90,13 +93,38 @@ def _megatron_nvtx_on() -> None:
 
 
 class Truth:
-    """The passes this rank really ran, timed around the sleep itself."""
+    """The passes this rank really ran, timed around the sleep itself, and Megatron's own
+    pass functions (``forward_step`` / ``backward_step``) timed around their calls."""
 
     def __init__(self, rank: int, pp: int, pp_rank: int):
         self.rank, self.pp, self.pp_rank = rank, pp, pp_rank
         self.step = -1
         self.passes: list[dict] = []
+        self.frames: list[dict] = []
         self.steps: list[dict] = []
+        self.marks: dict = {}
+
+    def mark(self, name: str) -> None:
+        """A named instant of the current step (``<name>_ns``, epoch)."""
+        self.marks[f"{name}_ns"] = time.time_ns()
+
+    def time_calls(self, module, name: str, op: str) -> None:
+        """Wrap ``module.name`` so that each call's span is logged as a frame. Timing only:
+        the function Megatron's schedule calls is its own, with its signature (``wraps``), so
+        the pptrace integration wraps it in turn as it would the original."""
+        import functools
+
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start_ns = time.time_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.frames.append({"step": self.step, "op": op, "start_ns": start_ns, "end_ns": time.time_ns()})
+
+        setattr(module, name, timed)
 
     def sleep(self, op: str, mb: int, chunk: int, seconds: float) -> None:
         start_ns, start_perf = time.time_ns(), time.perf_counter_ns()
@@ -197,6 +225,7 @@ def _worker(rank, world, out_dir, schedule, microbatches, steps, profile_steps, 
     if nvtx:
         _megatron_nvtx_on()
     _megatron_on_cpu()
+    from megatron.core.pipeline_parallel import schedules as megatron_schedules
     # What megatron/training/arguments.py builds for these flags: overlap_p2p_comm on for the
     # interleaved schedule only, batch_p2p_comm = not overlap_p2p_comm, deallocated outputs.
     config = TransformerConfig(
@@ -216,6 +245,7 @@ def _worker(rank, world, out_dir, schedule, microbatches, steps, profile_steps, 
 
     def train_step():
         optimizer.zero_grad()
+        truth.mark("pipeline_start")
         forward_backward(
             forward_step_func=_forward_step,
             data_iterator=[iter(range(microbatches)) for _ in chunks] if interleaved else iter(range(microbatches)),
@@ -223,21 +253,28 @@ def _worker(rank, world, out_dir, schedule, microbatches, steps, profile_steps, 
             num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
             forward_only=False,
         )
+        truth.mark("pipeline_end")
         # Megatron's clip_grad_norm: the grad norm all-reduced over the model-parallel group.
         norm = torch.stack([(p.grad if p.grad is not None else torch.zeros_like(p)).pow(2).sum()
                             for p in params]).sum()
+        truth.mark("reduce_start")
         dist.all_reduce(norm, group=parallel_state.get_model_parallel_group())
+        truth.mark("reduce_end")
         optimizer.step()
 
     profiler = _profiler(mode, out, rank, profile_steps)
     with profiler as prof:
+        # Timed outside whatever the profiler wrapped them in: the truth's frame is the pass
+        # as the rank ran it, the pptrace integration's own cost included.
+        truth.time_calls(megatron_schedules, "forward_step", "fwd")
+        truth.time_calls(megatron_schedules, "backward_step", "bwd")
         for step in range(steps):
             truth.step = step
             start_ns, start_perf = time.time_ns(), time.perf_counter_ns()
             train_step()
             end_perf, end_ns = time.perf_counter_ns(), time.time_ns()
             truth.steps.append({"step": step, "start_ns": start_ns, "end_ns": end_ns,
-                                "start_perf_ns": start_perf, "end_perf_ns": end_perf})
+                                "start_perf_ns": start_perf, "end_perf_ns": end_perf, **truth.marks})
             prof.step()
     dist.barrier()
     (out / "truth").mkdir(parents=True, exist_ok=True)
@@ -245,6 +282,7 @@ def _worker(rank, world, out_dir, schedule, microbatches, steps, profile_steps, 
         "rank": rank, "pp": world, "pp_rank": truth.pp_rank, "schedule": schedule,
         "microbatches": microbatches, "vpp": vpp, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
         "profile_steps": profile_steps, "mode": mode, "steps": truth.steps, "passes": truth.passes,
+        "frames": truth.frames,
     }))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -281,6 +319,8 @@ def run(out_dir, schedule: str = "1f1b", world: int = 2, microbatches: int = 8, 
     ``nvtx``: Megatron's own NVTX ranges on (see :func:`_megatron_nvtx_on`)."""
     import torch.multiprocessing as mp
 
+    from instrumented_model.train import start_method
+
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     if mode not in MODES:
@@ -294,8 +334,8 @@ def run(out_dir, schedule: str = "1f1b", world: int = 2, microbatches: int = 8, 
     out.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    mp.spawn(_worker, args=(world, str(out), schedule, microbatches, steps, profile_steps, mode,
-                            fwd_ms, bwd_ms, vpp, nvtx), nprocs=world, join=True)
+    mp.start_processes(_worker, args=(world, str(out), schedule, microbatches, steps, profile_steps, mode,
+                                      fwd_ms, bwd_ms, vpp, nvtx), nprocs=world, join=True, start_method=start_method())
     return out
 
 

@@ -10,7 +10,8 @@
   same with ``record_shapes=False``; ``"none"`` writes no trace.
 - ``out/truth/rank{r}.json``: ground truth from the same run. Per step its start/end, the
   call of ``schedule.step()`` (``pipeline_start`` / ``pipeline_end``: the pipeline runs in
-  it, so across ranks they bound the pipeline window of DESIGN contract 3) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
+  it, so across ranks they bound the pipeline window of DESIGN contract 3), the closing
+  all-reduce (``reduce_start`` / ``reduce_end``) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
   ``mb``, start/end) with the sleeps measured inside it (``kind`` fwd|bwd_input|bwd_weight).
   Every time is given twice: ``*_ns`` from ``perf_counter_ns`` and ``*_epoch_ns`` from
   ``time_ns`` (comparable with trace times: ``baseTimeNanoseconds + ts * 1000``). Also the
@@ -327,7 +328,9 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
                 RECORDER.mark("pipeline_end")
                 # Gradient clipping's global norm: one all-reduce over all ranks ends the step.
                 norm = torch.stack([p.grad.norm() if p.grad is not None else torch.zeros(()) for p in params]).sum()
+                RECORDER.mark("reduce_start")
                 dist.all_reduce(norm.reshape(1))
+                RECORDER.mark("reduce_end")
                 optimizer.step()
                 RECORDER.end_step()
                 prof_step()
@@ -381,6 +384,8 @@ def run(
     ``dp``: data-parallel replicas (world = pp * dp, a DeviceMesh ("pp", "dp"))."""
     import torch.multiprocessing as mp
 
+    from instrumented_model.train import start_method
+
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     if mode not in MODES:
@@ -401,7 +406,7 @@ def run(
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     with tempfile.TemporaryDirectory(prefix="pipelining-") as scratch:
         ctx = mp.start_processes(_worker, args=(cfg, os.path.join(scratch, "store")), nprocs=world,
-                                 join=False, start_method="spawn")
+                                 join=False, start_method=start_method())
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1):

@@ -20,7 +20,9 @@ from pptrace.ingest.frame import p2p_args
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
-from truth_checks import check_dashboard, check_whatif_replay, compute_errors, idle_errors_ms, sends_per_step, sleeps
+from truth_checks import (Bracket, assert_inside, check_dashboard, check_whatif_replay, compute_brackets, covered,
+                          idle_brackets, megatron_frames, megatron_sleeps, passes, passes_and_own_work, sends_per_step,
+                          sleeps)
 
 
 # --------------------------------------------------------------------------------------
@@ -284,19 +286,18 @@ def test_plain_pipeline_found_and_marked_inferred(plain):
 
 
 @pytest.mark.slow
-def test_plain_compute_matches_the_sleeps(plain):
-    errors = compute_errors(plain.report, plain.truth, PROFILED)
-    assert max(abs(e) for e in errors.values()) < 0.10, errors
+def test_plain_compute_lies_between_the_sleeps_and_the_passes(plain):
+    """Compute is the passes' ops: at least the sleeps, at most the passes as torch ran them
+    (autograd and the profiler around each sleep) plus the rank's work outside the schedule."""
+    assert_inside(compute_brackets(plain.report, plain.truth, PROFILED, sleeps, passes_and_own_work), "compute")
 
 
 @pytest.mark.slow
-def test_plain_bubble_and_p2p_match_the_idle_time(plain):
-    """Idle = the pipeline window less the rank's sleeps. The window spans the earliest call
-    of schedule.step() to the latest return, within this rank's own step (what precedes its
-    step belongs to its previous one). Compute is the passes' ops, which run autograd and
-    the profiler around the sleeps too (~1-1.5% of them): idle comes out that much short."""
-    errors = idle_errors_ms(plain.report, plain.truth, PROFILED, sleeps)
-    assert max(abs(e) for e in errors.values()) < 20, f"bubble + p2p - idle, ms: {errors}"
+def test_plain_bubble_and_p2p_lie_within_the_idle_time(plain):
+    """Idle in the pipeline window (the earliest call of schedule.step() to the latest
+    return, within this rank's own step: what precedes it belongs to its previous step): at
+    least the window less the passes, at most the window less the sleeps."""
+    assert_inside(idle_brackets(plain.report, plain.truth, PROFILED, sleeps, passes), "bubble + p2p")
 
 
 @pytest.mark.slow
@@ -318,7 +319,21 @@ def test_plain_whatif_replays_the_measured_schedule(plain):
 
 @pytest.mark.slow
 def test_plain_dashboard_page_is_written(plain, tmp_path):
-    check_dashboard(plain.run, plain.report, tmp_path / "report.html")
+    check_dashboard(plain.run, tmp_path / "report.html")
+
+
+#: An inferred pass runs from one p2p post to the next, so it takes in the schedule's own
+#: bookkeeping beside the pass function (Megatron's deallocate_output_tensor, its interleaved
+#: helpers' tensor handling: 0.1-0.15 ms a pass here), which no truth span covers.
+PASS_EDGE_S = 0.25e-3
+
+
+def _pass_bracket(compute, least: list, most: list, edge_s: float = 0.0) -> Bracket:
+    """A rank-step's inferred passes (its compute rows) against its sleeps and the
+    framework's spans around them (each widened by ``edge_s``)."""
+    lo, hi = min(a for a, _ in most), max(b for _, b in most)
+    return Bracket(compute["dur_ns"].sum() / 1e9, covered(least, lo, hi) / 1e9,
+                   covered(most, lo, hi) / 1e9 + edge_s * len(most))
 
 
 @pytest.mark.slow
@@ -331,12 +346,13 @@ def test_plain_without_record_shapes_warns_and_still_finds_the_passes(tmp_path):
     assert len(warning) == 1 and "ranks [0, 1, 2, 3]" in warning[0]
     truth = load_truth(out)
     ev = loaded.events
+    brackets = {}
     for rank, t in truth.items():
         for step in PROFILED:
             mine = ev[(ev["category"] == "compute") & (ev["rank"] == rank) & (ev["step"] == step)]
             assert (mine["op"] == "fwd").sum() == (mine["op"] == "bwd").sum() == 8
-            slept = sum(b - a for a, b in sleeps(t, step))
-            assert abs(mine["dur_ns"].sum() / slept - 1) < 0.10
+            brackets[rank, step] = _pass_bracket(mine, sleeps(t, step), passes(t, step))
+    assert_inside(brackets, "inferred passes")
 
 
 @pytest.mark.slow
@@ -374,17 +390,19 @@ def test_plain_megatron_core(tmp_path, schedule):
     assert [loaded.layout.coords(r).pp for r in sorted(truth)] == [truth[r]["pp_rank"] for r in sorted(truth)]
     assert (loaded.schedule, loaded.microbatches, loaded.vpp) == (schedule, 8, 2 if schedule == "interleaved" else 1)
     ev = loaded.events
+    brackets = {}
     for rank, t in truth.items():
         for step in PROFILED:
             mine = ev[(ev["category"] == "compute") & (ev["rank"] == rank) & (ev["step"] == step)]
-            passes = [p for p in t["passes"] if p["step"] == step]
-            assert abs(mine["dur_ns"].sum() / sum(p["end_ns"] - p["start_ns"] for p in passes) - 1) < 0.10
+            brackets[rank, step] = _pass_bracket(mine, megatron_sleeps(t, step), megatron_frames(t, step),
+                                                 PASS_EDGE_S)
             # each logged pass lies in an inferred pass with its op, microbatch and chunk
-            for p in passes:
+            for p in (p for p in t["passes"] if p["step"] == step):
                 mid = (p["start_ns"] + p["end_ns"]) // 2
                 hit = mine[(mine["raw_start_ns"] <= mid) & (mine["raw_end_ns"] >= mid)]
                 assert [(str(o), int(m), int(c)) for o, m, c in zip(hit["op"], hit["mb"], hit["chunk"])] == [
                     (p["op"], p["mb"], p["chunk"])], (rank, step, p)
+    assert_inside(brackets, "inferred passes")
     from pptrace.whatif.predict import whatif
 
     assert abs(whatif(loaded)["replay"]["error_fraction"]) < 0.10

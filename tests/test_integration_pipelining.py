@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 
 from pipelining_run import SCHEDULES, load_truth, run
-from truth_checks import (check_dashboard, check_whatif_replay, compute_errors, idle_errors_ms, sends_per_step,
-                          truth_step)
+from truth_checks import (assert_inside, check_dashboard, check_whatif_replay, compute_brackets, idle_brackets, passes,
+                          passes_and_own_work, sends_per_step, sleeps, truth_step)
 
-#: 20/40 ms passes: a pass's own overhead (autograd, the profiler; ~0.3-0.5 ms on a loaded
-#: 2-core box) stays well inside 5% of it.
 RUN = dict(world=4, microbatches=8, steps=3, profile_steps="1-2", fwd_ms=20, bwd_ms=40)
 PROFILED = (1, 2)
 
@@ -43,12 +41,6 @@ def measured(request, tmp_path_factory) -> Measured:
     out = run(tmp_path_factory.mktemp(request.param) / "run", request.param, mode="pptrace", **RUN)
     loaded = pptrace.load_run(out, use_cache=False)
     return Measured(request.param, out, loaded, build_report(loaded), load_truth(out))
-
-
-def _passes(truth: dict, step: int) -> list:
-    """(start, end) epoch ns of every pass (torch's forward_one_chunk, backward_one_chunk,
-    backward_weight_one_chunk, timed by the harness around them) this rank ran in ``step``."""
-    return [(a["start_epoch_ns"], a["end_epoch_ns"]) for a in truth_step(truth, step)["actions"]]
 
 
 # --------------------------------------------------------------------------------------
@@ -89,18 +81,18 @@ def test_schedule_microbatches_and_action_order_found(measured):
 
 
 @pytest.mark.slow
-def test_compute_matches_the_sleeps(measured):
-    errors = compute_errors(measured.report, measured.truth, PROFILED)
-    assert max(abs(e) for e in errors.values()) < 0.05, errors
+def test_compute_lies_between_the_sleeps_and_the_passes(measured):
+    """At least the sleeps; at most the passes as torch ran them (autograd and the profiler
+    around each sleep: 1.5-3% of it on a quiet 2-core box, more on a busy one) plus the
+    rank's own work outside ``schedule.step()``."""
+    assert_inside(compute_brackets(measured.report, measured.truth, PROFILED, sleeps, passes_and_own_work), "compute")
 
 
 @pytest.mark.slow
-def test_bubble_and_p2p_match_the_idle_time(measured):
-    """Idle = the window less this rank's passes. Not less its sleeps: a pass also runs
-    autograd and the profiler around its sleeps (1.5-3% of it here, 9-29 ms per step over
-    32-48 passes), which is compute, as the analysis (within 0.6% of the passes) says."""
-    errors = idle_errors_ms(measured.report, measured.truth, PROFILED, _passes)
-    assert max(abs(e) for e in errors.values()) < 15, f"bubble + p2p - idle, ms: {errors}"
+def test_bubble_and_p2p_lie_within_the_idle_time(measured):
+    """Idle in the pipeline window: at least the window less the passes, at most the window
+    less the sleeps."""
+    assert_inside(idle_brackets(measured.report, measured.truth, PROFILED, sleeps, passes), "bubble + p2p")
 
 
 @pytest.mark.slow
@@ -202,7 +194,7 @@ def test_whatif_replays_the_measured_step(measured):
 
 @pytest.mark.slow
 def test_dashboard_page_is_written(measured, tmp_path):
-    check_dashboard(measured.run, measured.report, tmp_path / "report.html")
+    check_dashboard(measured.run, tmp_path / "report.html")
 
 
 @pytest.mark.slow

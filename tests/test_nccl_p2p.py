@@ -368,12 +368,12 @@ def test_pairs_of_different_sizes_are_reported(tmp_path):
 def test_dashboard_and_whatif_on_the_plain_nccl_run(built, tmp_path):
     """The page draws the run; what-if says in one line why it cannot replay it (NCCL traces
     name no passes) instead of failing."""
+    from pptrace.analysis import analyze
     from pptrace.export.dashboard import write_page
-    from pptrace.export.report import build_report
     from pptrace.whatif.predict import whatif
 
     _, _, run = built
-    html = write_page(run, build_report(run), tmp_path / "report.html").read_text()
+    html = write_page(analyze(run), tmp_path / "report.html").read_text()
     assert 'id="fig-timeline"' in html
     with pytest.raises(ValueError, match="no pipeline passes"):
         whatif(run)

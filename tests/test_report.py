@@ -9,7 +9,8 @@ import orjson
 import pytest
 from rich.console import Console
 
-from pptrace.export.report import SCHEMA, build_report, print_report
+from pptrace.analysis import SCHEMA
+from pptrace.export.report import build_report, print_report
 from pptrace.topology import Layout
 from conftest import FIXTURES
 from tracegen import STAGE0, STAGE1, run_from_docs, trace_doc

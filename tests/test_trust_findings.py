@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hostile import no_traceback, pptrace
+from pptrace.analyzers.stragglers import NOISE_SPREADS
 from pptrace.topology import Layout
 from tracegen import RankTrace, pipeline_run, write_run
 
@@ -74,9 +75,10 @@ def test_delayed_rank_named_with_its_evidence(model_runs):
     assert {r["rank"] for r in report["stragglers"]} == {DELAYED_RANK}
     top = next(r for r in report["stragglers"] if r["metric"] == "compute")
     assert top["cost_s"] == pytest.approx(M * DELAY_MS / 1e3, rel=0.3)
-    # late in most (here all) profiled steps, by far more than the step-to-step spread
+    # late in most (here all) profiled steps, beyond the run's own noise by the rule's margin
+    # (how noisy a model-compute run is depends on the machine; the 80 ms a step does not)
     assert top["steps"] == PROFILED and top["steps_late"] * 2 > PROFILED
-    assert top["spread_s"] < top["cost_s"] / 10
+    assert top["spread_s"] * NOISE_SPREADS < top["cost_s"]
     assert f"late in {top['steps_late']} of {PROFILED} steps" in top["evidence"]
 
 

@@ -92,7 +92,10 @@ def run(out_dir, world: int = 4, microbatches: int = 3, steps: int = 3) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    mp.spawn(_worker, args=(world, str(out), microbatches, steps), nprocs=world, join=True)
+    from instrumented_model.train import start_method
+
+    mp.start_processes(_worker, args=(world, str(out), microbatches, steps), nprocs=world, join=True,
+                       start_method=start_method())
     return out
 
 

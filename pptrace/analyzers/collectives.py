@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..ingest.schema import COMM_CATEGORIES
 from ..naming import parse_name
-from ..vocab import COMM_DIMS, is_step_end
+from ..vocab import COMM_CATEGORIES, COMM_DIMS, is_step_end
 
 COLUMNS = ("dim", "count", "bytes", "time_s", "exposed_s", "hidden_s", "wait_s", "transfer_s", "ops")
 

@@ -30,7 +30,7 @@ import pandas as pd
 
 from ..ingest import exchanges
 from ..ingest.lanes import running_max
-from ..ingest.schema import COMM_CATEGORIES
+from ..vocab import COMM_CATEGORIES
 
 SEGMENT_COLUMNS = ("rank", "stage", "phase", "start_ns", "end_ns", "dur_ns")
 _UNIT_CATEGORIES = ("compute", "p2p", "wait", *COMM_CATEGORIES)

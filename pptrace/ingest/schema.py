@@ -76,7 +76,7 @@ import orjson
 
 from .megatron_names import parse_megatron_name
 from ..naming import parse_name
-from ..vocab import COMM_DIMS
+from ..vocab import COMM_CATEGORIES, COMM_DIMS
 
 # 2: NCCL kernels carry their launching collective (ingest/nccl.py), Megatron names classified
 # 3: src_rank / dst_rank of NCCL p2p, the inferred flag (plain traces)
@@ -85,8 +85,6 @@ from ..vocab import COMM_DIMS
 # 6: the compact table: nested plain CPU ops folded (compact.py)
 SCHEMA_VERSION = 6
 
-#: the category of a contract range of each communication dimension
-COMM_CATEGORIES = tuple(f"comm:{d}" for d in COMM_DIMS)
 CATEGORIES = (
     "compute", *COMM_CATEGORIES, "p2p", "wait", "step",
     "kernel_compute", "kernel_comm", "memcpy", "runtime", "other",

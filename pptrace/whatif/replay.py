@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..ingest.schema import COMM_CATEGORIES
-from ..vocab import ACTION_OPS, SCHEDULES
+from ..vocab import ACTION_OPS, COMM_CATEGORIES, SCHEDULES
 from .schedules import Exchange, InterleavedStage, num_warmup_microbatches, schedule_table, ws_after_backward
 
 

@@ -1,0 +1,420 @@
+"""The analysis of a run, as a notebook (and the CLI, the dashboard, the what-if) sees it:
+``pptrace.analyze(run_or_path) -> Analysis``, one object whose tables are pandas DataFrames,
+each computed once, on first use, from the analyzers (``pptrace.analyzers``: one analysis a
+module, Run -> table). ``to_json()`` is the contract-4 document (``pptrace analyze --json``),
+``figures()`` the dashboard's Plotly figures, ``whatif(...)`` a replay under other settings.
+
+    >>> a = pptrace.analyze("runs/demo")
+    >>> a.steps.groupby("rank")[["compute", "pp_bubble"]].mean()
+    >>> a.stages[["stage", "bubble_s", "theory_bubble_s"]]
+
+Nothing here computes an attribution: it wires the analyzers together and selects ranks and
+steps, so that each table exists once however many outputs use it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
+from .analyzers.collectives import collectives_by_dim
+from .analyzers.critical_path import step_bounds
+from .analyzers.gpu_timeline import gpu_timeline, is_launch_bound
+from .analyzers.p2p import link_table, match_pairs
+from .analyzers.partition import breakdown_table, partition_run
+from .analyzers.stragglers import find_stragglers
+from .ingest.run import Run, load_run
+from .progress import ANALYSE, phased
+from .vocab import COMM_DIMS, PARTS, RANGE_KINDS
+
+SCHEMA = "pptrace.analysis/1"
+#: an alignment bound above this share of the mean step time makes cross-rank numbers shaky.
+CLOCK_WARN_FRACTION = 0.01
+
+
+def _clean(value):
+    """numpy scalars -> Python, NaN/inf -> None, recursively: strict JSON."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_clean(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if value is pd.NA:
+        return None
+    return value
+
+
+def _whole(x):
+    """A count (a per-step mean) as an int when it is whole: JSON says 48, not 48.0."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _whole_counts(report: dict) -> dict:
+    """Counts and byte counts of the document as ints where whole (p2p pairs, links,
+    collectives); means that are not whole stay floats."""
+    p2p = report["p2p"]
+    p2p["pairs"] = _whole(p2p["pairs"])
+    for row in [*p2p["links"], *report["collectives"]]:
+        for key in row:
+            if key in ("count", "bytes") or key.endswith("_count"):
+                row[key] = _whole(row[key])
+        if isinstance(row.get("ops"), dict):
+            row["ops"] = {op: _whole(n) for op, n in row["ops"].items()}
+    return report
+
+
+def _select(view: Run, steps, ranks) -> tuple[Run, list[str]]:
+    warnings = []
+    if steps is None:
+        return view, warnings
+    wanted = [int(s) for s in steps]
+    keep = [s for s in view.steps if s in wanted] if view.steps else wanted
+    absent = sorted(set(wanted) - set(keep))
+    if absent:
+        warnings.append(f"requested steps {absent} were not profiled (profiled: {list(view.steps)})")
+    return replace(view, steps=tuple(keep)), warnings
+
+
+def _gpu_warnings(view: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> list[str]:
+    """What a GPU trace could not tell, and the launch-bound hint."""
+    warnings = []
+    if not contract and len(gpu):
+        warnings.append(
+            "traces without pptrace ranges: pipeline bubble cannot be separated from p2p wait; NCCL send/recv "
+            "kernels count as pp_transfer (wait included) and GPU idle time as other; showing "
+            "idle instead (instrument the trainer with pptrace.region for the full breakdown)"
+        )
+    guessed = {r: a.unknown_groups for r, a in acts.items() if a.unknown_groups}
+    if guessed:
+        warnings.append(
+            f"{sum(guessed.values())} NCCL collective kernels (ranks {sorted(guessed)[:8]}) belong to "
+            "process groups that neither a pg_desc nor the layout names: counted as dp (all_to_all "
+            "as ep); give the layout (tp/cp/pp/dp) or name groups with new_group(group_desc=...)"
+        )
+    if len(gpu):
+        mean = gpu.groupby("rank")[["time_s", "idle_s", "launch_bound_s", "host_launching_s"]].mean()
+        flagged = mean[is_launch_bound(mean["idle_s"], mean["time_s"], mean["launch_bound_s"])]
+        warnings += [
+            f"rank {rank} looks launch-bound: the GPU is idle {idle / time:.0%} of "
+            f"the step, {bound / idle:.0%} of it waiting for the host to "
+            f"launch work (host in CUDA calls {launching * 1e3:.2f} ms of it); "
+            "fewer, larger kernels (fusion, CUDA graphs) or less host work per step would help"
+            for rank, time, idle, bound, launching in zip(
+                flagged.index, flagged["time_s"], flagged["idle_s"], flagged["launch_bound_s"],
+                flagged["host_launching_s"])
+        ]
+    return warnings
+
+
+def _input_warnings(view: Run, partitions, pairs_unmatched) -> list[str]:
+    ev = view.events
+    warnings = []
+    contract = ev["kind"].isin(list(RANGE_KINDS)) & (ev["lane_kind"] == "host")
+    gpu_run = ev["category"].isin(["kernel_compute", "kernel_comm"]).any()
+    if not contract.any() and not gpu_run:
+        warnings.append(
+            "traces without pptrace ranges: dims from process-group metadata; bubble cannot be "
+            "separated from p2p: NCCL send/recv kernels count as pp_transfer, and time outside "
+            "kernels as other (instrument the trainer with pptrace.region for the full breakdown)"
+        )
+    missing = list(getattr(view, "missing_ranks", ()))  # of the ranks requested (load_run's ranks)
+    if missing and not any("no usable trace" in w for w in view.warnings):
+        warnings.append(f"ranks {missing[:8]} of {view.layout.world_size} have no trace; results cover the others only")
+    stepped = {p.rank for p in partitions}
+    unstepped = sorted(set(view.ranks) - stepped)
+    if unstepped:
+        warnings.append(
+            f"ranks {unstepped[:8]} have no profiled ProfilerStep#N range on their main thread; "
+            "their time is not partitioned (call prof.step() every step)"
+        )
+    untagged = ((ev["category"] == "p2p") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
+                & ev["peer"].isna()).sum()
+    if untagged:
+        warnings.append(
+            f"{untagged} pipeline p2p ranges carry no peer/mb tags (Megatron's own range names): "
+            "they cannot be paired, so their wait and transfer are not split; counted as pp_transfer"
+        )
+    if len(pairs_unmatched):
+        warnings.append(
+            f"{len(pairs_unmatched)} pipeline p2p ranges have no matching peer range; their time "
+            "counts as pp_transfer (wait and transfer cannot be told apart without the peer)"
+        )
+    already = any("clock alignment" in w for w in view.warnings)
+    if partitions and view.uncertainty_ns and not already:
+        step = float(np.mean([p.wall_ns for p in partitions]))
+        bad = {r: b for r, b in view.uncertainty_ns.items() if b and b > CLOCK_WARN_FRACTION * step}
+        if bad:
+            worst = max(bad, key=bad.get)
+            warnings.append(
+                f"clock alignment of ranks {sorted(bad)[:8]} is uncertain by up to "
+                f"{bad[worst] / 1e6:.2f} ms (rank {worst}), over {CLOCK_WARN_FRACTION:.0%} of the "
+                "step: cross-rank bubble/wait splits are approximate"
+            )
+    return warnings
+
+
+_GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_pct", "comm_exposed_s",
+               "memcpy_s", "memcpy_exposed_s", "idle_s", "launch_bound_s", "host_launching_s")
+
+
+def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> list[dict]:
+    out = []
+    for rank in view.ranks:
+        if ranks is not None and rank not in ranks:
+            continue
+        coords = view.layout.coords(rank)._asdict() if rank < view.layout.world_size else None
+        mine = table[table["rank"] == rank]
+        hidden = mine[[f"hidden_{d}" for d in COMM_DIMS]].set_axis(list(COMM_DIMS), axis=1)
+        steps = [{"step": int(step), "time_s": time, "breakdown_s": parts, "hidden_s": dims}
+                 for step, time, parts, dims in zip(mine["step"], mine["time_s"], mine[list(PARTS)].to_dict("records"),
+                                                   hidden.to_dict("records"))]
+        # GPU timeline (analyzers/gpu_timeline.py): beside the partition, memcpy and idle apart, launch-bound
+        on_gpu = gpu[gpu["rank"] == rank].set_index("step") if len(gpu) else gpu
+        for entry in steps:
+            if entry["step"] in on_gpu.index:
+                g = on_gpu.loc[entry["step"]]
+                entry["gpu"] = {k: g[k] for k in _GPU_FIELDS} | {"launch_bound": bool(g["launch_bound"])}
+        mean = None
+        if len(mine):
+            mean = {"time_s": mine["time_s"].mean(),
+                    "breakdown_s": {part: mine[part].mean() for part in PARTS},
+                    "hidden_s": {d: mine[f"hidden_{d}"].mean() for d in COMM_DIMS}}
+            if len(on_gpu):
+                mean["gpu"] = {k: on_gpu[k].astype(float).mean() for k in _GPU_FIELDS}
+        out.append({
+            "rank": rank, "coords": coords,
+            "describe": view.layout.describe(rank) if rank < view.layout.world_size else None,
+            "clock_offset_us": view.offsets_ns.get(rank, 0) / 1e3,
+            "clock_uncertainty_us": (view.uncertainty_ns.get(rank) or 0) / 1e3,
+            "steps": steps, "mean": mean,
+        })
+    return out
+
+
+def _microbatch_rows(view: Run, times: pd.DataFrame) -> list[dict]:
+    """Every forward/backward range (``times``: the selected passes): rank, stage, step, mb,
+    chunk, op, start_s (from the step's pipeline window start, aligned clocks) and dur_s —
+    per-microbatch detail."""
+    if times.empty:
+        return []
+    windows = view.pipeline_windows
+    origin = times["step"].map({s: w[0] for s, w in windows.items()}).fillna(times.groupby("step")["start_ns"].transform("min"))
+    times = times.assign(start_s=(times["start_ns"] - origin) / 1e9)
+    return times[["rank", "stage", "step", "mb", "chunk", "op", "start_s", "dur_s"]].to_dict("records")
+
+
+class Analysis:
+    """Every table of one run's analysis, each computed on first use and kept.
+
+    ``run``: the loaded :class:`~pptrace.ingest.run.Run`; ``steps`` / ``ranks`` select what
+    is reported (the pipeline window still spans every loaded rank: a stage's bubble is
+    defined against all stages). Tables (pandas DataFrames, times in seconds):
+
+    - ``steps``: one row per (rank, step): ``time_s``, the partition of contract 3
+      (``compute``, ``<dim>_exposed``, ``pp_transfer``, ``pp_bubble``, ``other``; they sum to
+      ``time_s``) and ``hidden_<dim>`` (communication under compute).
+    - ``stages``: one row per pipeline stage: ``bubble_s``, ``bubble_fraction``, the schedule
+      and latency parts, theory, ``t_fwd_s`` / ``t_bwd_s``, per-chunk detail.
+    - ``links``: per p2p link (``src``, ``dst``) and step: ``count``, ``bytes``, ``wait_s``,
+      ``transfer_s``.
+    - ``collectives``: per dimension: collective time, exposed and hidden, wait and transfer.
+    - ``stragglers``: the ranks that hold the others back (``rank``, ``metric``, ``slowdown``,
+      ``cost_s``, evidence).
+    - ``critical_path``: per step, what bounded it (``length_s``, ``compute_s``, ``p2p_s``,
+      ``comm_s``, ``other_s``, ``ranks``, ``summary``).
+    - ``gpu``: per (rank, step) of GPU traces: busy, compute, communication, overlap, idle,
+      launch-bound time.
+    - ``passes``: every forward/backward range (rank, stage, step, mb, chunk, op, start_ns, dur_s).
+    """
+
+    def __init__(self, run: Run, *, steps=None, ranks=None):
+        self.run = run
+        self._view, self._selection_warnings = _select(run, steps, ranks)
+        self._ranks = None if ranks is None else [int(r) for r in ranks]
+
+    def __repr__(self) -> str:
+        layout = self.run.layout
+        sizes = " ".join(f"{d}{n}" for d, n in layout.to_dict().items() if d != "order" and n > 1) or "1 rank"
+        return f"<Analysis: {layout.world_size} ranks ({sizes}), schedule {self.run.schedule}, steps {list(self._view.steps)}>"
+
+    # -- what the tables are built from ------------------------------------------------
+    @cached_property
+    def _pairs(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        return match_pairs(self._view)
+
+    @cached_property
+    def partitions(self) -> list:
+        """The :class:`~pptrace.analyzers.partition.StepPartition` of every (rank, step): the
+        intervals each part of ``steps`` sums (the dashboard's timeline draws them)."""
+        return partition_run(self._view, self._view.activities, self._pairs)
+
+    @cached_property
+    def _stage_pipe(self) -> tuple[pd.DataFrame, dict]:
+        view, partitions = self._view, self.partitions
+        return pipeline_stages(view, partitions, bubble_split(view, partitions, self._pairs[0]))
+
+    @cached_property
+    def _selected_pairs(self) -> pd.DataFrame:
+        pairs, steps = self._pairs[0], self._view.steps
+        return pairs[pairs["step"].isin(list(steps))] if steps else pairs
+
+    @cached_property
+    def _instances(self):
+        inst, steps = self._view.collectives, self._view.steps
+        if steps and inst is not None and len(inst):
+            inst = inst[inst["step"].isin(list(steps))]
+        return inst
+
+    @property
+    def _n_steps(self) -> int:
+        return max(len(self._view.steps), 1)
+
+    # -- the tables ----------------------------------------------------------------------
+    @cached_property
+    def _all_steps(self) -> pd.DataFrame:
+        return breakdown_table(self.partitions)
+
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        table = self._all_steps
+        return table if self._ranks is None else table[table["rank"].isin(self._ranks)].reset_index(drop=True)
+
+    @cached_property
+    def stages(self) -> pd.DataFrame:
+        return self._stage_pipe[0]
+
+    @cached_property
+    def links(self) -> pd.DataFrame:
+        links = link_table(self._selected_pairs)
+        for column in ("count", "bytes", "wait_s", "transfer_s", "bandwidth_count"):
+            links[column] = links[column] / self._n_steps
+        return links
+
+    @cached_property
+    def collectives(self) -> pd.DataFrame:
+        chosen = self.partitions if self._ranks is None else [p for p in self.partitions if p.rank in self._ranks]
+        return collectives_by_dim(self._view, chosen, self._instances)
+
+    @cached_property
+    def stragglers(self) -> pd.DataFrame:
+        return find_stragglers(self.partitions, self._selected_pairs, self._instances)
+
+    @cached_property
+    def _bounds(self) -> list[dict]:
+        return step_bounds(self._view)
+
+    @cached_property
+    def critical_path(self) -> pd.DataFrame:
+        return pd.DataFrame(self._bounds, columns=["step", "length_s", "step_time_s", "compute_s", "p2p_s",
+                                                   "comm_s", "other_s", "ranks", "stages", "summary"])
+
+    @cached_property
+    def gpu(self) -> pd.DataFrame:
+        view = self._view
+        return gpu_timeline(view.events, set(view.steps) if view.steps else None)
+
+    @cached_property
+    def passes(self) -> pd.DataFrame:
+        times = microbatch_times(self._view)
+        return times if self._ranks is None else times[times["rank"].isin(self._ranks)]
+
+    # -- outputs -------------------------------------------------------------------------
+    @cached_property
+    def _document(self) -> dict:
+        return _build_document(self)
+
+    def to_json(self) -> dict:
+        """The contract-4 document (schema ``pptrace.analysis/1``), as ``pptrace analyze
+        --json`` prints it. Built once; each call returns a new top-level dict, so a caller
+        may add keys (the CLI adds ``hta``) without changing what the others see."""
+        return dict(self._document)
+
+    @cached_property
+    def replay(self) -> tuple[dict | None, str | None]:
+        """(the what-if replay of the step as measured, or None; why there is none, or None):
+        what the dashboard's replay figure draws. None, None for a run without a pipeline."""
+        from .whatif.predict import whatif
+
+        if self.run.layout.pp < 2:
+            return None, None
+        try:
+            return whatif(self.run), None
+        except ValueError as exc:  # a run the simulator cannot replay: say why
+            return None, " ".join(str(exc).split())
+
+    def whatif(self, **changes) -> dict:
+        """The what-if replay (``pptrace whatif --json``) of the run under ``changes``
+        (``schedule``, ``vpp``, ``microbatches``, ``no_straggler``, ``p2p_free``); with none, the
+        replay of the step as measured (computed once)."""
+        from .whatif.predict import whatif
+
+        if not changes:
+            result, why = self.replay
+            if result is None:
+                raise ValueError(why or "a run without a pipeline has no what-if replay")
+            return result
+        return whatif(self.run, **changes)
+
+    def figures(self) -> dict:
+        """The dashboard's Plotly figures by name (``timeline``, ``replay``, ``partition``, ...):
+        drawn from this analysis, they display inline in Jupyter."""
+        from dashboards.page import build_figures
+
+        result, note = self.replay
+        return build_figures(self.run, self._document, partitions=self.partitions, whatif_result=result,
+                             whatif_note=note)
+
+
+def analyze(run_or_path, *, steps=None, ranks=None, **load_options) -> Analysis:
+    """The :class:`Analysis` of a run: a loaded :class:`~pptrace.ingest.run.Run`, or a run
+    directory / trace file, loaded here (``load_options`` go to
+    :func:`~pptrace.ingest.run.load_run`, e.g. ``use_cache=False``, ``progress=False``)."""
+    run = run_or_path if isinstance(run_or_path, Run) else load_run(Path(run_or_path), **load_options)
+    return Analysis(run, steps=steps, ranks=ranks)
+
+
+@phased(ANALYSE)
+def _build_document(a: Analysis) -> dict:
+    view, ranks = a._view, a._ranks
+    stages, pipe = a._stage_pipe
+    sel_pairs, n_steps = a._selected_pairs, a._n_steps
+    report = {
+        "schema": SCHEMA,
+        "run": {
+            "world_size": view.layout.world_size, "layout": view.layout.to_dict(),
+            "schedule": view.schedule, "microbatches": view.microbatches or pipe.get("microbatches"),
+            "vpp": view.vpp, "steps": list(view.steps), "ranks": list(view.ranks),
+            "inferred": dict(view.inferred),
+        },
+        "ranks": _rank_entries(view, a._all_steps, ranks, a.gpu),
+        "pipeline": {
+            **pipe,
+            "stages": stages.to_dict("records") if len(stages) else [],
+            "microbatch_times": _microbatch_rows(view, a.passes),
+        },
+        # per step, what bounded it: the cross-rank critical path ([] without a pipeline)
+        "critical_path": a._bounds,
+        "p2p": {
+            "pairs": len(sel_pairs) / n_steps,
+            "wait_s": float(sel_pairs["wait_ns"].sum()) / 1e9 / n_steps,
+            "transfer_s": float(sel_pairs["transfer_ns"].clip(lower=0).sum()) / 1e9 / n_steps,
+            "unmatched": len(a._pairs[1]),
+            "links": a.links.to_dict("records"),
+        },
+        "collectives": a.collectives.to_dict("records"),
+        "stragglers": a.stragglers.to_dict("records"),
+        "warnings": [*view.warnings, *a._selection_warnings, *_input_warnings(view, a.partitions, a._pairs[1]),
+                     *_gpu_warnings(view, view.activities, a.gpu,
+                                    bool((view.events["kind"].isin(list(RANGE_KINDS))
+                                          & (view.events["lane_kind"] == "host")).any()))],
+    }
+    return _whole_counts(_clean(report))
