@@ -20,7 +20,7 @@ from pptrace import region
 from . import pp_communications as p2p
 from .pp_communications import Message, P2PContext
 from .schedules_interleaved import forward_backward_pipelining_with_interleaving
-from pptrace.whatif.schedules import num_warmup_microbatches, ws_after_backward
+from pptrace.schedules.tables import num_warmup_microbatches, ws_after_backward
 
 
 class StageCompute(Protocol):

@@ -3,7 +3,7 @@
 Each stage holds v model chunks; chunk c of stage r is virtual stage c*p + r, so activations
 travel a ring: stage p-1's chunk c feeds stage 0's chunk c+1 (and gradients the other way).
 Which pass runs when, and which p2p op follows it with which (microbatch, chunk) in each
-direction, is ``pptrace.whatif.schedules.InterleavedStage.program``: Megatron's order, written
+direction, is ``pptrace.schedules.tables.InterleavedStage.program``: Megatron's order, written
 once for this trainer and for the what-if simulator that replays it. Here it is executed:
 without overlap_p2p_comm, every pass is followed by one combined op that sends its result and
 receives the next pass's input (``send_forward_recv_forward``, the steady state's
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from . import pp_communications as p2p
 from .pp_communications import Message
-from pptrace.whatif.schedules import Exchange, InterleavedStage
+from pptrace.schedules.tables import Exchange, InterleavedStage
 
 
 def forward_backward_pipelining_with_interleaving(run) -> None:
@@ -30,9 +30,9 @@ def forward_backward_pipelining_with_interleaving(run) -> None:
     def received(exchange: Exchange, tensors) -> None:
         from_prev, from_next = tensors
         if exchange.recv_prev is not None:
-            inputs["F", *exchange.recv_prev] = from_prev
+            inputs[("F", *exchange.recv_prev)] = from_prev
         if exchange.recv_next is not None:
-            inputs["B", *exchange.recv_next] = from_next
+            inputs[("B", *exchange.recv_next)] = from_next
 
     for step in stage.program(run.overlap_p2p_comm):
         if not isinstance(step, Exchange):

@@ -28,7 +28,7 @@ from pptrace.vocab import STEP_END_TAGS
 
 from .pipeline_parallel import PipelineRun, get_forward_backward_func
 from .pp_communications import P2PContext
-from pptrace.whatif.schedules import schedule_table
+from pptrace.schedules.tables import schedule_table
 from .stage_compute import ModelCompute, SleepCompute
 from .train_config import TrainConfig, config_from_args
 

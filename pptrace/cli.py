@@ -449,11 +449,15 @@ def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, j
     result = whatif_mod.whatif(run, schedule=schedule, vpp=vpp, microbatches=microbatches,
                                no_straggler=no_straggler, p2p_free=p2p_free)
     if trace_out:
-        whatif_mod.write_simulated_trace(result, trace_out)
+        from .export.perfetto import write_simulated_trace
+
+        write_simulated_trace(result, trace_out)
     if json_out:
         _write_json(result)
     else:
-        whatif_mod.print_whatif(result, _console())
+        from .export.report import print_whatif
+
+        print_whatif(result, _console())
         if trace_out:
             click.echo(f"simulated trace: {trace_out}")
 

@@ -57,7 +57,7 @@ ACTION_OPS = (*ACTION_OF.values(), "SF", "SB")
 
 # -- schedules ---------------------------------------------------------------------------------
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1 = "gpipe", "1f1b", "interleaved", "zb-h1"
-#: the schedules pptrace has tables and closed-form theory for (whatif/schedules.py)
+#: the schedules pptrace has tables and closed-form theory for (schedules/tables.py)
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1)
 #: Other trainers' names for schedules whose order is one of pptrace's, so that their closed
 #: forms hold (torch.distributed.pipelining's class names).

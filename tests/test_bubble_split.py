@@ -15,7 +15,7 @@ import pytest
 from pptrace.analyzers.partition import partition_run
 from pptrace.analyzers.p2p import match_pairs
 from pptrace.analyzers.bubble import balanced_theory_bubble, bubble_split, pipeline_stages
-from pptrace.whatif.replay import PipelineTimes, simulate, stage_program
+from pptrace.schedules.replay import PipelineTimes, simulate, stage_program
 from pptrace.topology import Layout
 
 from tracegen import run_from_docs, trace_doc

@@ -135,7 +135,7 @@ def _truth_replay(m: Measured, step: int | None = None) -> list:
 
     import numpy as np
 
-    from pptrace.whatif.replay import PipelineTimes, action_programs, simulate
+    from pptrace.schedules.replay import PipelineTimes, action_programs, simulate
 
     orders, placement = _truth_orders(m)
     p = len(orders)

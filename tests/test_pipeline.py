@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from pptrace.whatif.schedules import (
+from pptrace.schedules.tables import (
     interleaved_forward_order,
     num_warmup_microbatches,
     schedule_table,
@@ -119,7 +119,7 @@ def test_trainer_executes_the_simulators_interleaved_program(monkeypatch, p, m, 
     pytest.importorskip("torch")
     from instrumented_model import pp_communications
     from instrumented_model.pipeline_parallel import PipelineRun, get_forward_backward_func
-    from pptrace.whatif.replay import stage_program
+    from pptrace.schedules.replay import stage_program
 
     for r in range(p):
         traced = []

@@ -6,8 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pptrace.whatif.schedules import schedule_table
-from pptrace.whatif.replay import SEND_MODES, PipelineTimes, simulate, stage_program
+from pptrace.schedules.tables import schedule_table
+from pptrace.schedules.replay import SEND_MODES, PipelineTimes, simulate, stage_program
 
 TF, TB = 0.010, 0.020
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pptrace.vocab import canonical, has_closed_form
-from pptrace.whatif.schedules import schedule_table, stage_placement
-from pptrace.whatif.replay import PipelineTimes, action_programs, simulate
+from pptrace.schedules.tables import schedule_table, stage_placement
+from pptrace.schedules.replay import PipelineTimes, action_programs, simulate
 
 def _orders(schedule: str, p: int, m: int, v: int = 1) -> list:
     """pptrace's own tables as action orders over global stages (looped placement)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pptrace.whatif.schedules import schedule_table
+from pptrace.schedules.tables import schedule_table
 from instrumented_model.train import main
 from instrumented_model.train_config import config_from_args
 from pptrace.naming import parse_name

@@ -16,8 +16,9 @@ import pytest
 
 from pptrace.analyzers.critical_path import critical_path
 from pptrace.ingest.run import load_run
-from pptrace.whatif.replay import stage_program
-from pptrace.whatif.predict import measure, whatif, write_simulated_trace
+from pptrace.schedules.replay import stage_program
+from pptrace.export.perfetto import write_simulated_trace
+from pptrace.whatif.predict import measure, whatif
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ import pandas as pd
 
 from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD_OPS, PP_SENDS, SEND_FWD, canonical,
                      has_closed_form)
-from ..whatif.replay import PipelineTimes, action_programs, latency_free_ends, simulate
+from ..schedules.replay import PipelineTimes, action_programs, latency_free_ends, simulate
 from ..ingest.intervals import Intervals
 
 
@@ -176,7 +176,7 @@ def _recorded_orders(view, p: int) -> list | None:
 def action_orders(view, times: pd.DataFrame, v: int):
     """(orders per pipeline position, placement, where they came from) of a run, or None:
     the order the trainer's integration recorded, else the order the trace shows."""
-    from ..whatif.schedules import stage_placement
+    from ..schedules.tables import stage_placement
 
     p = view.layout.pp
     placement = stage_placement(view.schedule, p, v)
@@ -194,7 +194,7 @@ def action_orders(view, times: pd.DataFrame, v: int):
 def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int):
     """Theory of a schedule without a closed form: its own action order (as recorded by the
     trainer's integration, else as the trace ran it) replayed with free p2p and the run's
-    measured per-stage pass times (whatif/replay.py). -> (step, bubble per stage, source) or None."""
+    measured per-stage pass times (schedules/replay.py). -> (step, bubble per stage, source) or None."""
     found = action_orders(view, times, v)
     if found is None:
         return None

@@ -256,3 +256,62 @@ def print_report(report: dict, console, explain: bool = False) -> None:
     for w in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
     print_legend(console, shown, explain)
+
+
+def print_whatif(result: dict, console) -> None:
+    """The what-if result (``pptrace whatif``) as terminal tables."""
+    from .tables import Col, print_table
+
+    meas, pred, rep = result["measured"], result["predicted"], result["replay"]
+    basis = result.get("comparison") or "step_time"
+    error = rep.get("error_fraction")
+    error_text = "-" if error is None else f"{error * 100:+.1f}%"
+
+    def label(d):
+        text = f"{d['schedule']} m={d['microbatches']}" + (f" v={d['vpp']}" if d["vpp"] > 1 else "")
+        if d.get("no_straggler"):
+            text += " no-straggler"
+        if d.get("p2p_free"):
+            text += " p2p-free"
+        return text
+
+    def ms(seconds):
+        return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+    def per_mb(d, step_s):
+        # a microbatch is the same samples in every configuration: time per microbatch is
+        # the inverse of per-sample throughput
+        return ms(step_s / d["microbatches"]) if step_s is not None and d["microbatches"] else "-"
+
+    # export/tables.py: fits the console's width without cutting a value
+    cols = [Col("", key=True, justify="left"), Col("configuration", wrap=True, justify="left"),
+            *(Col(h) for h in ("step time", "per microbatch", "pipeline window")), Col("vs measured", wrap=True)]
+    rows = [["measured", label(meas), ms(meas["step_time_s"]), per_mb(meas, meas["step_time_s"]),
+             ms(meas["window_s"]), ""],
+            ["replayed", label(meas), ms(rep["step_time_s"]), per_mb(meas, rep["step_time_s"]),
+             ms(rep.get("window_s")), f"error {error_text}"]]
+    if basis != "replay_error":
+        ratio = result.get("throughput_ratio") if basis == "throughput" else result.get("step_time_ratio")
+        versus = "-" if ratio is None else ("throughput" if basis == "throughput" else "speedup") + f" {ratio:.2f}x"
+        rows.append(["predicted", label(pred), ms(pred["step_time_s"]), per_mb(pred, pred["step_time_s"]),
+                     ms(pred["window_s"]), versus])
+    print_table(console, "what-if", cols, rows, show_edge=False)
+    rows = [[str(s["stage"]), ms(s["compute_s"]), ms(s["transfer_s"]), ms(s["bubble_s"]),
+             f"{s['bubble_fraction'] * 100:.1f}"] for s in pred["stages"]]
+    print_table(console, "replayed stages" if basis == "replay_error" else "predicted stages",
+                [Col("stage", key=True), *(Col(h) for h in ("compute", "transfer", "bubble", "bubble %"))],
+                rows, show_edge=False)
+    if basis == "replay_error":
+        console.print(f"nothing changed: the replay of the measured configuration is {error_text} off the "
+                      "measured step, the error to expect of a prediction from this run (no speedup)")
+    elif basis == "throughput":
+        throughput = result.get("throughput_ratio")
+        if throughput is not None:
+            console.print(f"predicted per-sample throughput: {throughput:.2f}x the measured with "
+                          f"{pred['microbatches']} microbatches instead of {meas['microbatches']} "
+                          f"(a step of {pred['microbatches']}/{meas['microbatches']} the samples in "
+                          f"{pred['step_time_s'] / meas['step_time_s']:.2f}x the time); replay error {error_text}")
+    elif result.get("speedup") is not None:
+        console.print(f"predicted speedup: {result['speedup']:.2f}x (step time; replay error {error_text})")
+    for note in result.get("notes", []):
+        console.print(f"note: {note}")

@@ -712,10 +712,10 @@ def microbatches_of(passes: pd.DataFrame) -> int | None:
 
 def _order_schedule(passes: pd.DataFrame, pp: int, stage_of: dict, candidates=None):
     """Schedules that name nothing: the first of 1F1B, GPipe and Megatron's interleaved
-    (v = 2..4) (or of ``candidates``, (name, v) pairs) whose table (pptrace.whatif.schedules)
+    (v = 2..4) (or of ``candidates``, (name, v) pairs) whose table (pptrace.schedules.tables)
     has every rank's order of forwards and backwards in every step -> (name, v, passes with
     that table's mb and chunk), or None."""
-    from ..whatif.schedules import schedule_table
+    from ..schedules.tables import schedule_table
 
     order = passes.sort_values(["rank", "step", "start_ns"], kind="stable").reset_index(drop=True)
     # each (rank, step) runs the order of forwards (F) and backwards (B) of its stage's table

@@ -10,18 +10,15 @@ prediction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
-import orjson
 import pandas as pd
 
 from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, PASS_OPS, SCHEDULES, canonical, has_closed_form
-from .replay import PipelineTimes, Timeline, action_programs, simulate
+from ..schedules.replay import PipelineTimes, Timeline, action_programs, simulate
 from ..ingest import exchanges
 from ..ingest.lanes import lane_keys
-from ..progress import WHATIF, WRITE, phased
-from ..output import write_file
+from ..progress import WHATIF, phased
 
 SCHEMA = "pptrace.whatif/1"
 # ZB-H1 paper's working assumption (T_W ~ T_B) when a run never split its backward.
@@ -529,89 +526,3 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
                                                             wgrad_fraction)),
         "notes": notes,
     }
-
-
-def print_whatif(result: dict, console) -> None:
-    from ..export.tables import Col, print_table
-
-    meas, pred, rep = result["measured"], result["predicted"], result["replay"]
-    basis = result.get("comparison") or "step_time"
-    error = rep.get("error_fraction")
-    error_text = "-" if error is None else f"{error * 100:+.1f}%"
-
-    def label(d):
-        text = f"{d['schedule']} m={d['microbatches']}" + (f" v={d['vpp']}" if d["vpp"] > 1 else "")
-        if d.get("no_straggler"):
-            text += " no-straggler"
-        if d.get("p2p_free"):
-            text += " p2p-free"
-        return text
-
-    def ms(seconds):
-        return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
-
-    def per_mb(d, step_s):
-        # a microbatch is the same samples in every configuration: time per microbatch is
-        # the inverse of per-sample throughput
-        return ms(step_s / d["microbatches"]) if step_s is not None and d["microbatches"] else "-"
-
-    # export/tables.py: fits the console's width without cutting a value
-    cols = [Col("", key=True, justify="left"), Col("configuration", wrap=True, justify="left"),
-            *(Col(h) for h in ("step time", "per microbatch", "pipeline window")), Col("vs measured", wrap=True)]
-    rows = [["measured", label(meas), ms(meas["step_time_s"]), per_mb(meas, meas["step_time_s"]),
-             ms(meas["window_s"]), ""],
-            ["replayed", label(meas), ms(rep["step_time_s"]), per_mb(meas, rep["step_time_s"]),
-             ms(rep.get("window_s")), f"error {error_text}"]]
-    if basis != "replay_error":
-        ratio = result.get("throughput_ratio") if basis == "throughput" else result.get("step_time_ratio")
-        versus = "-" if ratio is None else ("throughput" if basis == "throughput" else "speedup") + f" {ratio:.2f}x"
-        rows.append(["predicted", label(pred), ms(pred["step_time_s"]), per_mb(pred, pred["step_time_s"]),
-                     ms(pred["window_s"]), versus])
-    print_table(console, "what-if", cols, rows, show_edge=False)
-    rows = [[str(s["stage"]), ms(s["compute_s"]), ms(s["transfer_s"]), ms(s["bubble_s"]),
-             f"{s['bubble_fraction'] * 100:.1f}"] for s in pred["stages"]]
-    print_table(console, "replayed stages" if basis == "replay_error" else "predicted stages",
-                [Col("stage", key=True), *(Col(h) for h in ("compute", "transfer", "bubble", "bubble %"))],
-                rows, show_edge=False)
-    if basis == "replay_error":
-        console.print(f"nothing changed: the replay of the measured configuration is {error_text} off the "
-                      "measured step, the error to expect of a prediction from this run (no speedup)")
-    elif basis == "throughput":
-        throughput = result.get("throughput_ratio")
-        if throughput is not None:
-            console.print(f"predicted per-sample throughput: {throughput:.2f}x the measured with "
-                          f"{pred['microbatches']} microbatches instead of {meas['microbatches']} "
-                          f"(a step of {pred['microbatches']}/{meas['microbatches']} the samples in "
-                          f"{pred['step_time_s'] / meas['step_time_s']:.2f}x the time); replay error {error_text}")
-    elif result.get("speedup") is not None:
-        console.print(f"predicted speedup: {result['speedup']:.2f}x (step time; replay error {error_text})")
-    for note in result.get("notes", []):
-        console.print(f"note: {note}")
-
-
-@phased(f"{WRITE} the simulated trace")
-def write_simulated_trace(result: dict, out_path) -> Path:
-    """The predicted timeline as a Chrome/Perfetto trace: one process per stage, compute and
-    p2p on separate threads. ``.gz`` paths are gzip-compressed."""
-    pred = result["predicted"]
-    cols = pred["timeline"]["columns"]
-    events = []
-    for s in range(result["measured"]["pp"]):
-        events.append({"ph": "M", "name": "process_name", "pid": s, "tid": 0, "args": {"name": f"stage {s} (simulated)"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0, "args": {"sort_index": s}})
-        events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": "compute"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 1, "args": {"name": "p2p"}})
-    names = {"F": "compute:fwd", "B": "compute:bwd_input" if pred["schedule"] == "zb-h1" else "compute:bwd",
-             "I": "compute:bwd_input", "W": "compute:bwd_weight", "comm": "pp:exchange"}
-    for row in pred["timeline"]["rows"]:
-        r = dict(zip(cols, row))
-        name = names[r["kind"]]
-        if r["kind"] != "comm":
-            name += f" mb={int(r['mb'])}" + (f" chunk={int(r['chunk'])}" if pred["vpp"] > 1 else "")
-        events.append({
-            "ph": "X", "name": name, "cat": "simulated", "pid": int(r["stage"]), "tid": int(r["kind"] == "comm"),
-            "ts": r["start_s"] * 1e6, "dur": (r["end_s"] - r["start_s"]) * 1e6,
-        })
-    doc = {"traceEvents": events, "displayTimeUnit": "ms",
-           "pptrace_whatif": {k: v for k, v in pred.items() if k != "timeline"}}
-    return write_file(out_path, orjson.dumps(doc))

@@ -2,7 +2,7 @@
 with durations, the posts and waits of its p2p messages) against the others. Programs come
 from two places:
 
-- a schedule: its compute passes (F, B, W) in the trainer's order (``pptrace.whatif.schedules``,
+- a schedule: its compute passes (F, B, W) in the trainer's order (``pptrace.schedules.tables``,
   which the trainer executes) interleaved with the p2p exchanges the trainer posts between them
   (Megatron's combined ops: ``send_forward_recv_backward`` and the interleaved schedule's
   four-way exchange); ``simulate`` runs them with given durations (what-if, and the theory of
@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from ..vocab import ACTION_OPS, COMM_CATEGORIES, SCHEDULES
-from .schedules import Exchange, InterleavedStage, num_warmup_microbatches, schedule_table, ws_after_backward
+from .tables import Exchange, InterleavedStage, num_warmup_microbatches, schedule_table, ws_after_backward
 
 
 @dataclass(frozen=True)
