@@ -158,31 +158,64 @@ def _truth_replay(m: Measured, step: int | None = None) -> list:
     return (timeline.makespan_s - timeline.stages["compute_s"]).tolist()
 
 
+def _pass_gaps_s(m: Measured, step: int) -> dict:
+    """Per pipeline position, how far apart the two timings of its passes in ``step`` are:
+    the sum over its passes of |the harness's span - pptrace's range|. The truth replay runs
+    on the one, pptrace's on the other; a stage's bubble in a replay (makespan less its own
+    passes) moves by at most about twice that when its passes move."""
+    import pandas as pd
+
+    from pptrace.vocab import ACTION_OF
+
+    ev = m.run.events
+    compute = ev[(ev["category"] == "compute") & (ev["step"] == step)]
+    traced = {(int(r), ACTION_OF.get(str(op)), int(mb), 0 if pd.isna(c) else int(c)): d / 1e9
+              for r, op, mb, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"],
+                                         compute["dur_ns"])}
+    out = {}
+    for rank, t in m.truth.items():
+        gap = 0.0
+        for a in truth_step(t, step)["actions"]:
+            mine = traced.get((rank, a["op"], a["mb"], a["chunk"]))
+            if mine is not None:
+                gap += abs((a["end_ns"] - a["start_ns"]) / 1e9 - mine)
+        out[t["pp_rank"]] = gap
+    return out
+
+
 @pytest.mark.slow
 def test_schedule_bubble_matches_a_replay_of_the_schedules_own_order(measured):
     """The schedule part of each stage's bubble against a zero-latency replay of the
-    schedule's own action order built from the truth alone: per step, with that step's passes
-    (within 6% on every schedule here); the stage means, with the mean pass per (op, stage)
-    (within 6-7%: a step whose passes jitter by a few ms lasts longer than one of mean passes,
-    a few ms on the 65 ms bubbles of the zero-bubble schedules). Where the theory is a replay
-    (no closed form), a replay of the measured order with the measured mean passes, it agrees
-    with the latter (a closed form on measured stage medians need not: m (max T - T_stage)
-    turns a 1 ms error in a median into 8 ms)."""
-    per_step, means, theory = {}, {}, {}
+    schedule's own action order built from the truth alone: per step, with that step's passes;
+    the stage means against the mean of those per-step replays (like with like: a step whose
+    passes jitter lasts longer than one of mean passes, a few ms on the 65 ms bubbles of the
+    zero-bubble schedules, more on a busy box). Each within 10%, widened by twice the gap
+    between the two timings of the stage's passes (:func:`_pass_gaps_s`). Where the theory is
+    a replay (no closed form), a replay of the measured order with the measured mean passes,
+    it agrees with the truth's replay of mean passes (a closed form on measured stage medians
+    need not: m (max T - T_stage) turns a 1 ms error in a median into 8 ms)."""
+    misses, theory = {}, {}
     replayed = {step: _truth_replay(measured, step) for step in PROFILED}
+    gaps = {step: _pass_gaps_s(measured, step) for step in PROFILED}
     mean_replay = _truth_replay(measured)
-    for stage in measured.report["pipeline"]["stages"]:
+    stages = measured.report["pipeline"]["stages"]
+    for stage in stages:
         i = stage["stage"]
         for entry in stage["steps"]:
             assert entry["bubble_schedule_s"] is not None, f"stage {i} step {entry['step']}: no split"
-            per_step[i, entry["step"]] = round(entry["bubble_schedule_s"] / replayed[entry["step"]][i], 3)
-        means[i] = round(stage["bubble_schedule_s"] / mean_replay[i], 3)
+            truth, gap = replayed[entry["step"]][i], gaps[entry["step"]][i]
+            if abs(entry["bubble_schedule_s"] - truth) > 0.10 * truth + 2 * gap:
+                misses[i, entry["step"]] = (round(entry["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1),
+                                            round(gap * 1e3, 2))
+        truth = sum(replayed[step][i] for step in PROFILED) / len(PROFILED)
+        gap = sum(gaps[step][i] for step in PROFILED) / len(PROFILED)
+        if abs(stage["bubble_schedule_s"] - truth) > 0.10 * truth + 2 * gap:
+            misses[i, "mean"] = (round(stage["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1), round(gap * 1e3, 2))
         theory[i] = round(stage["theory_bubble_s"] / mean_replay[i], 3)
-    assert len(per_step) == 4 * len(PROFILED)
-    assert all(abs(r - 1) < 0.10 for r in per_step.values()), f"per step: {per_step}"
-    assert all(abs(r - 1) < 0.10 for r in means.values()), f"stage means: {means}"
-    print(f"{measured.schedule}: schedule part / truth replay per (stage, step) {per_step}, "
-          f"stage means {means}, theory {theory} ({measured.report['pipeline'].get('theory_source')})")
+    assert sum(len(s["steps"]) for s in stages) == 4 * len(PROFILED)
+    assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms, pass timing gap ms): {misses}"
+    print(f"{measured.schedule}: theory / truth replay of mean passes {theory} "
+          f"({measured.report['pipeline'].get('theory_source')})")
     if str(measured.report["pipeline"].get("theory_source")).startswith("replay"):
         assert all(abs(r - 1) < 0.05 for r in theory.values()), f"theory: {theory}"
 
