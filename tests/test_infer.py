@@ -294,9 +294,9 @@ def test_plain_compute_lies_between_the_sleeps_and_the_passes(plain):
 
 @pytest.mark.slow
 def test_plain_bubble_and_p2p_lie_within_the_idle_time(plain):
-    """Idle in the pipeline window (the earliest call of schedule.step() to the latest
-    return, within this rank's own step: what precedes it belongs to its previous step): at
-    least the window less the passes, at most the window less the sleeps."""
+    """Idle in the pipeline window, within this rank's own step (what precedes it belongs to
+    its previous step): at least the first to the last pass less the passes, at most the
+    earliest call of schedule.step() to the latest return less the sleeps."""
     assert_inside(idle_brackets(plain.report, plain.truth, PROFILED, sleeps, passes), "bubble + p2p")
 
 

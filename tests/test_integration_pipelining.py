@@ -90,8 +90,8 @@ def test_compute_lies_between_the_sleeps_and_the_passes(measured):
 
 @pytest.mark.slow
 def test_bubble_and_p2p_lie_within_the_idle_time(measured):
-    """Idle in the pipeline window: at least the window less the passes, at most the window
-    less the sleeps."""
+    """Idle in the pipeline window: at least the first to the last pass less the passes, at
+    most the earliest call of schedule.step() to the latest return less the sleeps."""
     assert_inside(idle_brackets(measured.report, measured.truth, PROFILED, sleeps, passes), "bubble + p2p")
 
 

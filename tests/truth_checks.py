@@ -69,6 +69,16 @@ def pipeline_window(truths: dict, rank: int, step: int) -> tuple:
             min(max(s["pipeline_end_epoch_ns"] for s in steps), own["end_epoch_ns"]))
 
 
+def passes_window(truths: dict, rank: int, step: int) -> tuple:
+    """The part of :func:`pipeline_window` that surely lies in the analysis' window: the
+    first pass any rank began to the last one any rank ended (the window starts at the first
+    pipeline operation, which may be a recv posted before it; torch's schedule.step() spends
+    ~1-2 ms on a slow box before its first operation and after its last)."""
+    spans = [p for t in truths.values() for p in passes(t, step)]
+    own = truth_step(truths[rank], step)
+    return max(min(a for a, _ in spans), own["start_epoch_ns"]), min(max(b for _, b in spans), own["end_epoch_ns"])
+
+
 def step_span(truths: dict, rank: int, step: int) -> tuple:
     """The whole of ``rank``'s ``step`` (epoch ns)."""
     own = truth_step(truths[rank], step)
@@ -103,10 +113,18 @@ def megatron_frames_and_own_work(truth: dict, step: int) -> list:
 
 
 def megatron_window(truths: dict, rank: int, step: int) -> tuple:
-    """:func:`pipeline_window` of a Megatron run, within ``rank``'s step: the first pass
-    Megatron started on any rank to the last one it ended. Not the schedule call: Megatron
-    spends ~1 ms in it before its first pipeline operation and after its last, which is no
-    part of the pipeline window."""
+    """:func:`pipeline_window` of a Megatron run: the earliest schedule call to the latest
+    return, within ``rank``'s step."""
+    steps = [truth_step(t, step) for t in truths.values()]
+    own = truth_step(truths[rank], step)
+    return (max(min(s["pipeline_start_ns"] for s in steps), own["start_ns"]),
+            min(max(s["pipeline_end_ns"] for s in steps), own["end_ns"]))
+
+
+def megatron_frames_window(truths: dict, rank: int, step: int) -> tuple:
+    """:func:`passes_window` of a Megatron run: the first pass Megatron started on any rank
+    to the last one it ended (it spends ~1 ms in the schedule call before its first pipeline
+    operation and after its last, which is no part of the pipeline window)."""
     frames = [f for t in truths.values() for f in megatron_frames(t, step)]
     own = truth_step(truths[rank], step)
     return max(min(a for a, _ in frames), own["start_ns"]), min(max(b for _, b in frames), own["end_ns"])
@@ -145,18 +163,23 @@ def breakdowns(report: dict) -> dict:
 
 
 def idle_brackets(report: dict, truths: dict, steps, least: Spans, most: Spans,
-                  window=pipeline_window) -> dict:
-    """(rank, step) -> pp_bubble + pp_transfer against the true idle of the pipeline window:
-    at least the window less ``most`` (the framework's spans), at most the window less
+                  window=pipeline_window, inner=passes_window) -> dict:
+    """(rank, step) -> pp_bubble + pp_transfer against the true idle of the pipeline window,
+    which lies between ``inner`` (surely in it) and ``window`` (surely around it): at least
+    the inner window less ``most`` (the framework's spans), at most the outer one less
     ``least`` (the sleeps)."""
     parts, out = breakdowns(report), {}
+    # The truth's clock is the host's; the analysis aligns each rank's clock first, and a rank
+    # it moves by d moves its share of the cross-rank window by up to d at either end.
+    moved = {r["rank"]: 2 * abs(r["clock_offset_us"]) / 1e6 for r in report["ranks"]}
     for rank, truth in truths.items():
         for step in steps:
             lo, hi = window(truths, rank, step)
+            a, b = inner(truths, rank, step)
             p = parts[rank, step]
             out[rank, step] = Bracket(p["pp_bubble"] + p["pp_transfer"],
-                                      (hi - lo - covered(most(truth, step), lo, hi)) / 1e9,
-                                      (hi - lo - covered(least(truth, step), lo, hi)) / 1e9)
+                                      (b - a - covered(most(truth, step), a, b)) / 1e9 - moved.get(rank, 0.0),
+                                      (hi - lo - covered(least(truth, step), lo, hi)) / 1e9 + moved.get(rank, 0.0))
     return out
 
 
