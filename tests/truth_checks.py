@@ -4,10 +4,11 @@
 A harness knows two things about each pass exactly: the sleep inside it (the least the rank
 was busy) and the framework's own span around it (torch's ``forward_one_chunk`` or
 Megatron's ``forward_step`` as the harness timed them: the most it was busy, autograd and the
-profiler included). The analysis is right when its compute lies between the two and its idle
-between the window less the one and the window less the other: a **bracket**, tight where the
-truth is tight, and free of any margin tuned to one machine's overhead. Only what the truth
-cannot see widens it, by :data:`TOLERANCE_MS`.
+profiler included). The analysis is right when its compute lies between the two, and its idle
+between the pipeline window less the one and less the other (the window itself bounded from
+inside by the first and last pass, from outside by the schedule call): a **bracket**, tight
+where the truth is tight, and free of any margin tuned to one machine's overhead. Only what
+the truth cannot see widens it: :data:`TOLERANCE_MS`, and the clock offset the analysis applied.
 """
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ def megatron_frames_window(truths: dict, rank: int, step: int) -> tuple:
 
 
 def megatron_step_span(truths: dict, rank: int, step: int) -> tuple:
+    """:func:`step_span` of a Megatron run."""
     own = truth_step(truths[rank], step)
     return own["start_ns"], own["end_ns"]
 
