@@ -59,15 +59,25 @@ def covered(spans, lo: int, hi: int) -> int:
     return total
 
 
+def _spanning(truths: dict, rank: int, step: int, spans_of: Spans, start: str, end: str) -> tuple:
+    """From the first start to the last end of ``spans_of(truth, step)`` over every rank,
+    within ``rank``'s own step (``start`` / ``end``: its keys in the truth): the part before
+    this rank's step began belongs to its previous step."""
+    spans = [span for t in truths.values() for span in spans_of(t, step)]
+    own = truth_step(truths[rank], step)
+    return max(min(a for a, _ in spans), own[start]), min(max(b for _, b in spans), own[end])
+
+
+def _schedule_call(truth: dict, step: int) -> list:
+    s = truth_step(truth, step)
+    return [(s["pipeline_start_epoch_ns"], s["pipeline_end_epoch_ns"])]
+
+
 def pipeline_window(truths: dict, rank: int, step: int) -> tuple:
     """The pipeline window (DESIGN contract 3) from the truth (rank -> truth), within
     ``rank``'s step: every rank runs its pipeline inside schedule.step(), so the window spans
-    the earliest call to the latest return; the part before this rank's step began belongs
-    to its previous step."""
-    steps = [truth_step(t, step) for t in truths.values()]
-    own = truth_step(truths[rank], step)
-    return (max(min(s["pipeline_start_epoch_ns"] for s in steps), own["start_epoch_ns"]),
-            min(max(s["pipeline_end_epoch_ns"] for s in steps), own["end_epoch_ns"]))
+    the earliest call to the latest return."""
+    return _spanning(truths, rank, step, _schedule_call, "start_epoch_ns", "end_epoch_ns")
 
 
 def passes_window(truths: dict, rank: int, step: int) -> tuple:
@@ -75,9 +85,7 @@ def passes_window(truths: dict, rank: int, step: int) -> tuple:
     first pass any rank began to the last one any rank ended (the window starts at the first
     pipeline operation, which may be a recv posted before it; torch's schedule.step() spends
     ~1-2 ms on a slow box before its first operation and after its last)."""
-    spans = [p for t in truths.values() for p in passes(t, step)]
-    own = truth_step(truths[rank], step)
-    return max(min(a for a, _ in spans), own["start_epoch_ns"]), min(max(b for _, b in spans), own["end_epoch_ns"])
+    return _spanning(truths, rank, step, passes, "start_epoch_ns", "end_epoch_ns")
 
 
 def step_span(truths: dict, rank: int, step: int) -> tuple:
@@ -113,22 +121,22 @@ def megatron_frames_and_own_work(truth: dict, step: int) -> list:
             (s["pipeline_end_ns"], s["reduce_start_ns"]), (s["reduce_end_ns"], s["end_ns"])]
 
 
+def _megatron_schedule_call(truth: dict, step: int) -> list:
+    s = truth_step(truth, step)
+    return [(s["pipeline_start_ns"], s["pipeline_end_ns"])]
+
+
 def megatron_window(truths: dict, rank: int, step: int) -> tuple:
     """:func:`pipeline_window` of a Megatron run: the earliest schedule call to the latest
     return, within ``rank``'s step."""
-    steps = [truth_step(t, step) for t in truths.values()]
-    own = truth_step(truths[rank], step)
-    return (max(min(s["pipeline_start_ns"] for s in steps), own["start_ns"]),
-            min(max(s["pipeline_end_ns"] for s in steps), own["end_ns"]))
+    return _spanning(truths, rank, step, _megatron_schedule_call, "start_ns", "end_ns")
 
 
 def megatron_frames_window(truths: dict, rank: int, step: int) -> tuple:
     """:func:`passes_window` of a Megatron run: the first pass Megatron started on any rank
     to the last one it ended (it spends ~1 ms in the schedule call before its first pipeline
     operation and after its last, which is no part of the pipeline window)."""
-    frames = [f for t in truths.values() for f in megatron_frames(t, step)]
-    own = truth_step(truths[rank], step)
-    return max(min(a for a, _ in frames), own["start_ns"]), min(max(b for _, b in frames), own["end_ns"])
+    return _spanning(truths, rank, step, megatron_frames, "start_ns", "end_ns")
 
 
 def megatron_step_span(truths: dict, rank: int, step: int) -> tuple:
