@@ -258,18 +258,22 @@ NAMED = {"Schedule1F1B": "1f1b"}
 class Plain:
     schedule: str
     run: object
-    report: dict
+    analysis: object  # pptrace.Analysis of run
     truth: dict
+
+    @property
+    def report(self) -> dict:
+        return self.analysis.to_json()
 
 
 @pytest.fixture(scope="module", params=REAL)
 def plain(request, tmp_path_factory) -> Plain:
     from pipelining_run import load_truth, run
-    from pptrace.export.report import build_report
+    from pptrace.analysis import analyze
 
     out = run(tmp_path_factory.mktemp(request.param) / "run", request.param, mode="plain", **RUN)
     loaded = load_run(out, use_cache=False)
-    return Plain(request.param, loaded, build_report(loaded), load_truth(out))
+    return Plain(request.param, loaded, analyze(loaded), load_truth(out))
 
 
 @pytest.mark.slow
@@ -319,7 +323,7 @@ def test_plain_whatif_replays_the_measured_schedule(plain):
 
 @pytest.mark.slow
 def test_plain_dashboard_page_is_written(plain, tmp_path):
-    check_dashboard(plain.run, tmp_path / "report.html")
+    check_dashboard(plain.analysis, tmp_path / "report.html")
 
 
 #: An inferred pass runs from one p2p post to the next, so it takes in the schedule's own

@@ -29,18 +29,22 @@ class Measured:
     schedule: str
     out: Path
     run: object
-    report: dict
+    analysis: object  # pptrace.Analysis of run
     truth: dict  # rank -> that rank's truth
+
+    @property
+    def report(self) -> dict:
+        return self.analysis.to_json()
 
 
 @pytest.fixture(scope="module", params=SCHEDULES)
 def measured(request, tmp_path_factory) -> Measured:
     import pptrace
-    from pptrace.export.report import build_report
+    from pptrace.analysis import analyze
 
     out = run(tmp_path_factory.mktemp(request.param) / "run", request.param, mode="pptrace", **RUN)
     loaded = pptrace.load_run(out, use_cache=False)
-    return Measured(request.param, out, loaded, build_report(loaded), load_truth(out))
+    return Measured(request.param, out, loaded, analyze(loaded), load_truth(out))
 
 
 # --------------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ def test_whatif_replays_the_measured_step(measured):
 
 @pytest.mark.slow
 def test_dashboard_page_is_written(measured, tmp_path):
-    check_dashboard(measured.run, tmp_path / "report.html")
+    check_dashboard(measured.analysis, tmp_path / "report.html")
 
 
 @pytest.mark.slow

@@ -223,12 +223,12 @@ def check_whatif_replay(run, schedule: str, limit: float = 0.10) -> None:
     assert abs(error) < limit, f"whatif replay error {error:+.3f}"
 
 
-def check_dashboard(run, path) -> None:
-    """The dashboard page is written with every figure and its data."""
-    from pptrace.analysis import analyze
+def check_dashboard(analysis, path) -> None:
+    """The dashboard page of ``analysis`` (``pptrace.analyze(run)``) is written with every
+    figure and its data."""
     from pptrace.export.dashboard import write_page
 
-    html = write_page(analyze(run), path).read_text()
+    html = write_page(analysis, path).read_text()
     for key in ("timeline", "replay", "partition", "bubble", "p2p_links"):
         assert f'id="fig-{key}"' in html, key
     assert html.count('type="application/json"') >= 5  # the figures' data
