@@ -10,6 +10,8 @@ wrapped in a contract-1 region (``compute:fwd``, ``compute:bwd``, and for ZB-H1
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -51,6 +53,11 @@ class PipelineRun:
     # after its pass and wait for it right before its tensor is used.
     overlap_p2p_comm: bool = False
 
+    # Sleep mode's known timeline: each pass's span, (op, mb, chunk, start, end) in time_ns,
+    # taken outside its region so that it bounds the range a trace shows from above (the
+    # sleeps bound it from below). None: not logged.
+    passes: Optional[list] = None
+
     def __post_init__(self):
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
@@ -60,21 +67,29 @@ class PipelineRun:
     def _chunk_tag(self, chunk: int):
         return chunk if self.vpp > 1 else None
 
+    @contextlib.contextmanager
+    def _pass(self, op: str, mb: int, chunk: int):
+        start = time.time_ns()
+        with region(f"compute:{op}", mb=mb, chunk=self._chunk_tag(chunk)):
+            yield
+        if self.passes is not None:
+            self.passes.append((op, mb, chunk, start, time.time_ns()))
+
     # Each pass in its region; the compute object does the work (and any injected delay).
     def forward(self, mb: int, chunk: int, x):
-        with region("compute:fwd", mb=mb, chunk=self._chunk_tag(chunk)):
+        with self._pass("fwd", mb, chunk):
             return self.compute.forward(mb, chunk, x)
 
     def backward(self, mb: int, chunk: int, grad):
-        with region("compute:bwd", mb=mb, chunk=self._chunk_tag(chunk)):
+        with self._pass("bwd", mb, chunk):
             return self.compute.backward(mb, chunk, grad)
 
     def backward_input(self, mb: int, chunk: int, grad):
-        with region("compute:bwd_input", mb=mb, chunk=self._chunk_tag(chunk)):
+        with self._pass("bwd_input", mb, chunk):
             return self.compute.backward_input(mb, chunk, grad)
 
     def backward_weight(self, mb: int, chunk: int) -> None:
-        with region("compute:bwd_weight", mb=mb, chunk=self._chunk_tag(chunk)):
+        with self._pass("bwd_weight", mb, chunk):
             self.compute.backward_weight(mb, chunk)
 
 

@@ -6,7 +6,8 @@ temp dir). Every step is: pipeline schedule -> DP grad sync -> global grad-norm 
 over all ranks (gradient clipping; DESIGN.md contract 3 relies on this collective) -> SGD.
 
 ``--out DIR`` writes DIR/traces/rank{r}.json.gz (pptrace.profile), DIR/metrics.jsonl (rank 0,
-one object per step) and DIR/run.json (the full config).
+one object per step), DIR/run.json (the full config) and, in sleep mode, DIR/truth/rank{r}.json
+(the known timeline: each pass's sleeps and span, ``_sleep_truth``).
 """
 from __future__ import annotations
 
@@ -140,6 +141,7 @@ def train(config: TrainConfig, pstate) -> list[dict]:
     if metrics_path is not None:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         metrics_path.write_bytes(b"")
+    truth = _sleep_truth(config, rank, coords.pp, fwd_delay, bwd_delay)
     with _profile(config) as prof:
         for step in range(config.steps):
             start = time.perf_counter()
@@ -158,8 +160,9 @@ def train(config: TrainConfig, pstate) -> list[dict]:
                     wgrad_s=config.wgrad_ms / 1000, fwd_delay_s=fwd_delay, bwd_delay_s=bwd_delay,
                     device=device,
                 )
+            passes = truth["steps"].setdefault(str(step), []) if truth is not None else None
             forward_backward(PipelineRun(compute, ctx, m, coords.pp, config.pp, config.vpp,
-                                         overlap_p2p_comm=config.overlap_p2p_comm))
+                                         overlap_p2p_comm=config.overlap_p2p_comm, passes=passes))
             _sync_data_parallel(config, pstate, chunks, reducer, dp_cp_size)
             loss_sum = getattr(compute, "loss_sum", torch.zeros(()))
             grad_norm, loss_total = _global_norm_and_loss(chunks, pstate, loss_sum, device)
@@ -177,7 +180,23 @@ def train(config: TrainConfig, pstate) -> list[dict]:
                     with metrics_path.open("ab") as f:
                         f.write(orjson.dumps(row) + b"\n")
             prof.step()
+    if truth is not None:
+        (Path(config.out) / "truth").mkdir(parents=True, exist_ok=True)
+        (Path(config.out) / "truth" / f"rank{rank}.json").write_bytes(orjson.dumps(truth))
     return rows
+
+
+def _sleep_truth(config: TrainConfig, rank: int, pp_rank: int, fwd_delay: float, bwd_delay: float) -> dict | None:
+    """Sleep mode's known timeline, the ground truth tests hold the analysis to: the sleeps
+    each pass of this rank takes (per microbatch, all chunks) and, per step, every pass's span
+    as ``[op, mb, chunk, start_ns, end_ns]`` on the clock trace times are given in (time_ns)."""
+    if config.compute != "sleep" or not config.out:
+        return None
+    return {"rank": rank, "pp_rank": pp_rank, "vpp": config.vpp,
+            "sleeps_s": {"fwd": config.fwd_ms / 1000 + fwd_delay,
+                         "bwd_input": config.bwd_ms / 1000 + bwd_delay,
+                         "bwd_weight": config.wgrad_ms / 1000},
+            "steps": {}}
 
 
 def _sync_data_parallel(config, pstate, chunks, reducer, dp_cp_size: int) -> None:

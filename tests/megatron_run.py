@@ -22,7 +22,9 @@ Profiling (``mode``):
 Ground truth goes to ``out_dir/truth/rank{r}.json``: every pass's measured sleep (epoch ns from
 ``time.time_ns`` and perf-counter ns), its step, stage, microbatch and chunk; every call of
 Megatron's ``forward_step`` / ``backward_step`` (``frames``: the pass as the framework ran it,
-its bookkeeping and autograd around the sleep included); and every step's start/end with the
+its bookkeeping and autograd around the sleep included) and, as ``op: "p2p"`` frames, every
+call of ``P2PCommunicator._communicate`` and every wait on a handle it returned; and every
+step's start/end with the
 schedule call (``pipeline_start_ns`` / ``pipeline_end_ns``) and the closing all-reduce
 (``reduce_start_ns`` / ``reduce_end_ns``) inside it.
 
@@ -37,6 +39,7 @@ pptrace integration itself needs no such thing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -112,8 +115,6 @@ class Truth:
         """Wrap ``module.name`` so that each call's span is logged as a frame. Timing only:
         the function Megatron's schedule calls is its own, with its signature (``wraps``), so
         the pptrace integration wraps it in turn as it would the original."""
-        import functools
-
         original = getattr(module, name)
 
         @functools.wraps(original)
@@ -125,6 +126,38 @@ class Truth:
                 self.frames.append({"step": self.step, "op": op, "start_ns": start_ns, "end_ns": time.time_ns()})
 
         setattr(module, name, timed)
+
+    def time_p2p(self, communicator) -> None:
+        """Log each ``communicator._communicate`` call as a ``p2p`` frame, and each wait on
+        a handle it returns (overlap_p2p_comm: the schedule waits later, outside the call):
+        the spans a pass inferred from posts cannot reach into. The handles stay Megatron's
+        (``_Timed`` passes every other attribute through)."""
+        truth = self
+
+        class _Timed:
+            def __init__(self, work):
+                self._work = work
+
+            def wait(self, *args, **kwargs):
+                start_ns = time.time_ns()
+                try:
+                    return self._work.wait(*args, **kwargs)
+                finally:
+                    truth.frames.append({"step": truth.step, "op": "p2p", "start_ns": start_ns, "end_ns": time.time_ns()})
+
+            def __getattr__(self, name):
+                return getattr(self._work, name)
+
+        self.time_calls(communicator, "_communicate", "p2p")
+        timed = communicator._communicate
+
+        def with_timed_handles(*args, **kwargs):
+            out = timed(*args, **kwargs)
+            if isinstance(out, tuple) and out and isinstance(out[-1], dict):
+                out = (*out[:-1], {key: _Timed(work) for key, work in out[-1].items()})
+            return out
+
+        communicator._communicate = functools.wraps(timed)(with_timed_handles)
 
     def sleep(self, op: str, mb: int, chunk: int, seconds: float) -> None:
         start_ns, start_perf = time.time_ns(), time.perf_counter_ns()
@@ -268,6 +301,10 @@ def _worker(rank, world, out_dir, schedule, microbatches, steps, profile_steps, 
         # as the rank ran it, the pptrace integration's own cost included.
         truth.time_calls(megatron_schedules, "forward_step", "fwd")
         truth.time_calls(megatron_schedules, "backward_step", "bwd")
+        # Every post runs in _communicate, and every wait in it or on a handle it returned:
+        # a pass inferred from a plain trace, which runs from one post to the next, lies
+        # within a frame stretched to the p2p spans on either side.
+        truth.time_p2p(megatron_schedules.P2PCommunicator)
         for step in range(steps):
             truth.step = step
             start_ns, start_perf = time.time_ns(), time.perf_counter_ns()

@@ -21,7 +21,7 @@ from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
 from truth_checks import (Bracket, assert_inside, check_dashboard, check_whatif_replay, compute_brackets, covered,
-                          idle_brackets, megatron_frames, megatron_sleeps, passes, passes_and_own_work, sends_per_step,
+                          idle_brackets, megatron_frames_to_posts, megatron_sleeps, passes, passes_and_own_work, sends_per_step,
                           sleeps)
 
 
@@ -328,8 +328,9 @@ def test_plain_dashboard_page_is_written(plain, tmp_path):
 
 #: An inferred pass runs from one p2p post to the next, so it takes in the schedule's own
 #: bookkeeping beside the pass function (Megatron's deallocate_output_tensor, its interleaved
-#: helpers' tensor handling: 0.1-0.15 ms a pass here), which no truth span covers.
-PASS_EDGE_S = 0.25e-3
+#: helpers' tensor handling), which the frames stretched to the p2p calls around them cover
+#: (megatron_frames_to_posts); what is left is _communicate's own work before its first post.
+PASS_EDGE_S = 0.0
 
 
 def _pass_bracket(compute, least: list, most: list, edge_s: float = 0.0) -> Bracket:
@@ -398,7 +399,7 @@ def test_plain_megatron_core(tmp_path, schedule):
     for rank, t in truth.items():
         for step in PROFILED:
             mine = ev[(ev["category"] == "compute") & (ev["rank"] == rank) & (ev["step"] == step)]
-            brackets[rank, step] = _pass_bracket(mine, megatron_sleeps(t, step), megatron_frames(t, step),
+            brackets[rank, step] = _pass_bracket(mine, megatron_sleeps(t, step), megatron_frames_to_posts(t, step),
                                                  PASS_EDGE_S)
             # each logged pass lies in an inferred pass with its op, microbatch and chunk
             for p in (p for p in t["passes"] if p["step"] == step):

@@ -130,11 +130,25 @@ def _truth_orders(m: Measured) -> tuple[list, list]:
     return orders, placement
 
 
-def _truth_replay(m: Measured, step: int | None = None) -> list:
+def _traced_passes(m: Measured, step: int) -> dict:
+    """(rank, action, mb, chunk) -> seconds: each pass of ``step`` as pptrace's range timed it."""
+    import pandas as pd
+
+    from pptrace.vocab import ACTION_OF
+
+    ev = m.run.events
+    compute = ev[(ev["category"] == "compute") & (ev["step"] == step)]
+    return {(int(r), ACTION_OF.get(str(op)), int(mb), 0 if pd.isna(c) else int(c)): d / 1e9
+            for r, op, mb, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"],
+                                       compute["dur_ns"])}
+
+
+def _truth_replay(m: Measured, step: int | None = None, timing: str = "harness") -> list:
     """Per pipeline position, its bubble in a zero-latency replay of the schedule's own action
-    order (eager sends, replay.action_programs) with the passes as the harness timed them:
-    makespan - that position's compute. ``step``: each pass takes its own duration in that
-    step; None: the mean per (op, stage) over the profiled steps."""
+    order (eager sends, replay.action_programs): makespan - that position's compute. The passes
+    as the harness timed them (``timing="harness"``) or as pptrace's ranges did ("traced").
+    ``step``: each pass takes its own duration in that step; None: the mean per (op, stage)
+    over the profiled steps."""
     import dataclasses
 
     import numpy as np
@@ -143,9 +157,14 @@ def _truth_replay(m: Measured, step: int | None = None) -> list:
 
     orders, placement = _truth_orders(m)
     p = len(orders)
-    passes = [(a["op"], a["stage"], a["mb"], (a["end_ns"] - a["start_ns"]) / 1e9)
-              for t in m.truth.values() for s in ([step] if step is not None else PROFILED)
-              for a in truth_step(t, s)["actions"]]
+    steps = [step] if step is not None else PROFILED
+    if timing == "traced":
+        traced = {s: _traced_passes(m, s) for s in steps}
+        passes = [(a["op"], a["stage"], a["mb"], traced[s][rank, a["op"], a["mb"], a["chunk"]])
+                  for rank, t in m.truth.items() for s in steps for a in truth_step(t, s)["actions"]]
+    else:
+        passes = [(a["op"], a["stage"], a["mb"], (a["end_ns"] - a["start_ns"]) / 1e9)
+                  for t in m.truth.values() for s in steps for a in truth_step(t, s)["actions"]]
     if step is None:
         durations: dict = {}
         for op, stage, _, seconds in passes:
@@ -167,15 +186,7 @@ def _pass_gaps_s(m: Measured, step: int) -> dict:
     the sum over its passes of |the harness's span - pptrace's range|. The truth replay runs
     on the one, pptrace's on the other; a stage's bubble in a replay (makespan less its own
     passes) moves by at most about twice that when its passes move."""
-    import pandas as pd
-
-    from pptrace.vocab import ACTION_OF
-
-    ev = m.run.events
-    compute = ev[(ev["category"] == "compute") & (ev["step"] == step)]
-    traced = {(int(r), ACTION_OF.get(str(op)), int(mb), 0 if pd.isna(c) else int(c)): d / 1e9
-              for r, op, mb, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"],
-                                         compute["dur_ns"])}
+    traced = _traced_passes(m, step)
     out = {}
     for rank, t in m.truth.items():
         gap = 0.0
@@ -197,11 +208,14 @@ def test_schedule_bubble_matches_a_replay_of_the_schedules_own_order(measured):
     between the two timings of the stage's passes (:func:`_pass_gaps_s`). Where the theory is
     a replay (no closed form), a replay of the measured order with the measured mean passes,
     it agrees with the truth's replay of mean passes (a closed form on measured stage medians
-    need not: m (max T - T_stage) turns a 1 ms error in a median into 8 ms)."""
+    need not: m (max T - T_stage) turns a 1 ms error in a median into 8 ms). That replay runs on
+    pptrace's timings of the passes, so the truth's replay it is held to does too: what is
+    checked is the order pptrace recovered from the trace, the pass timings are checked by the
+    brackets and above (on the harness's timings a slow box put it 5% off)."""
     misses, theory = {}, {}
     replayed = {step: _truth_replay(measured, step) for step in PROFILED}
     gaps = {step: _pass_gaps_s(measured, step) for step in PROFILED}
-    mean_replay = _truth_replay(measured)
+    mean_replay = _truth_replay(measured, timing="traced")
     stages = measured.report["pipeline"]["stages"]
     for stage in stages:
         i = stage["stage"]
@@ -218,10 +232,10 @@ def test_schedule_bubble_matches_a_replay_of_the_schedules_own_order(measured):
         theory[i] = round(stage["theory_bubble_s"] / mean_replay[i], 3)
     assert sum(len(s["steps"]) for s in stages) == 4 * len(PROFILED)
     assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms, pass timing gap ms): {misses}"
-    print(f"{measured.schedule}: theory / truth replay of mean passes {theory} "
+    print(f"{measured.schedule}: theory / truth replay of mean traced passes {theory} "
           f"({measured.report['pipeline'].get('theory_source')})")
     if str(measured.report["pipeline"].get("theory_source")).startswith("replay"):
-        assert all(abs(r - 1) < 0.05 for r in theory.values()), f"theory: {theory}"
+        assert all(abs(r - 1) < 0.01 for r in theory.values()), f"theory: {theory}"
 
 
 @pytest.mark.slow

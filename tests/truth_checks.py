@@ -111,7 +111,19 @@ def megatron_sleeps(truth: dict, step: int) -> list:
 
 def megatron_frames(truth: dict, step: int) -> list:
     """(start, end) of every call of Megatron's forward_step / backward_step in ``step``."""
-    return [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step]
+    return [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] != "p2p"]
+
+
+def megatron_frames_to_posts(truth: dict, step: int) -> list:
+    """Each frame stretched to the end of the p2p call before it and the start of the one
+    after it (Megatron's ``_communicate``): the most a pass inferred between posts can span."""
+    calls = sorted((f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] == "p2p")
+    out = []
+    for start, end in megatron_frames(truth, step):
+        before = [e for _, e in calls if e <= start]
+        after = [s for s, _ in calls if s >= end]
+        out.append((max(before, default=start), min(after, default=end)))
+    return out
 
 
 def megatron_frames_and_own_work(truth: dict, step: int) -> list:
