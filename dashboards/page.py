@@ -141,15 +141,17 @@ def _rank_list(ranks, shown: int = 16) -> str:
     return ", ".join(ranks[:shown]) + (f", … ({len(ranks) - shown} more)" if len(ranks) > shown else "")
 
 
-def build_figures(run, report: dict, *, partitions, whatif_result: dict | None = None,
+def build_figures(run, report: dict, *, partitions, ranges, whatif_result: dict | None = None,
                   whatif_note: str | None = None) -> dict:
     """The page's figures, drawn from what the caller computed: the contract-4 ``report``,
     the StepPartitions it was built from (``partitions``: the timeline's grey is their
-    pp_bubble) and the what-if result of the run (``whatif_result``; when there is none,
-    ``whatif_note`` says why). Nothing is analysed here: the windows are the Run's own."""
+    pp_bubble), the ranges the timeline draws, where they ran (``ranges``:
+    ``projection.drawn_ranges``) and the what-if result of the run (``whatif_result``; when
+    there is none, ``whatif_note`` says why). Nothing is analysed here: the windows are the
+    Run's own."""
     steps = (report.get("run") or {}).get("steps") or None
-    tl = build_timeline(run.events, run.layout, run.step_windows, run.pipeline_windows,
-                        partitions, steps=steps)
+    tl = build_timeline(ranges, run.layout, run.step_windows, run.pipeline_windows,
+                        partitions, ranks=run.events["rank"].unique(), steps=steps)
     figures = {"timeline": timeline_figure(tl)}
     if run.layout.pp > 1:
         figures["replay"] = replay_figure(report, whatif_result, why_none=whatif_note)
@@ -326,13 +328,13 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
     return paths
 
 
-def write_dashboard(run, report: dict, out_path, *, partitions, whatif_result: dict | None = None,
+def write_dashboard(run, report: dict, out_path, *, partitions, ranges, whatif_result: dict | None = None,
                     whatif_note: str | None = None, png_dir=None) -> Path:
     """Write the page for ``run`` (a :class:`pptrace.ingest.run.Run`), its contract-4 ``report``
     and the results beside it (see :func:`build_figures`); with ``png_dir``, also one PNG per
     figure. Returns the HTML path."""
     out_path = Path(out_path)
-    figures = build_figures(run, report, partitions=partitions, whatif_result=whatif_result,
+    figures = build_figures(run, report, partitions=partitions, ranges=ranges, whatif_result=whatif_result,
                             whatif_note=whatif_note)
     write_file(out_path, render_html(run, report, figures).encode("utf-8"))
     if png_dir is not None:

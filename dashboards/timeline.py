@@ -1,4 +1,5 @@
-"""Per-rank timeline lanes and blocks for the pipeline view, derived from ``Run.events``.
+"""Per-rank timeline lanes and blocks for the pipeline view, from the ranges the caller hands
+in (``pptrace.ingest.projection.drawn_ranges``: each where its work ran).
 
 This is display geometry only: which range goes on which row, where, in what colour group.
 Nothing here attributes time. The windows and the grey idle are the analysis' own: each
@@ -13,7 +14,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from pptrace.ingest.projection import gpu_extent
 from pptrace.vocab import ACTION_OF, COMM_CATEGORIES, COMM_DIMS
 
 #: compute ops -> the phase letter of the Megatron / Zero Bubble pipeline diagrams, which draw
@@ -76,14 +76,11 @@ def _phase_and_row(events: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     return phase, row
 
 
-def _kernel_fallback(events: pd.DataFrame) -> pd.DataFrame:
-    """Traces without pptrace ranges (plain GPU traces): show kernels instead, so the page is
-    still a timeline, with compute kernels on the compute row and NCCL kernels on the comm row."""
-    kernels = events[events["category"].isin(["kernel_compute", "kernel_comm"])].copy()
-    comm = kernels["category"].astype(object) == "kernel_comm"
-    kernels["phase"] = np.where(comm, "nccl", "kernel")
-    kernels["row"] = np.where(comm, "comm", "compute")
-    return kernels
+def _kernel_phase_and_row(kernels: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Kernels drawn in place of ranges (plain GPU traces): compute kernels on the compute
+    row, NCCL kernels on the comm row."""
+    comm = (kernels["category"].astype(object) == "kernel_comm").to_numpy()
+    return np.where(comm, "nccl", "kernel"), np.where(comm, "comm", "compute")
 
 
 def lanes_for(layout, ranks) -> list[Lane]:
@@ -156,28 +153,26 @@ def _bubble_intervals(partitions, origins: dict) -> pd.DataFrame:
     })
 
 
-def build_timeline(events: pd.DataFrame, layout, step_windows: dict, pipeline_windows=None,
-                   partitions=(), *, steps=None, max_blocks: int = 60000) -> Timeline:
+def build_timeline(ranges: pd.DataFrame, layout, step_windows: dict, pipeline_windows=None,
+                   partitions=(), *, ranks=None, steps=None, max_blocks: int = 60000) -> Timeline:
     """Blocks per (step, rank, row) with times in ms since that step's start on aligned clocks.
 
-    The windows are the analysis' own (``Run.step_windows``: (rank, step) -> (start_ns,
-    end_ns); ``Run.pipeline_windows``: step -> (start_ns, end_ns)); ``partitions`` are the
-    StepPartitions the report was built from, whose pp_bubble is the grey idle."""
+    ``ranges``: what to draw, where it ran (``projection.drawn_ranges`` of the run's events:
+    contract ranges, or kernels where a trace has none). The windows are the analysis' own
+    (``Run.step_windows``: (rank, step) -> (start_ns, end_ns); ``Run.pipeline_windows``:
+    step -> (start_ns, end_ns)); ``partitions`` are the StepPartitions the report was built
+    from, whose pp_bubble is the grey idle. ``ranks``: the lanes (default: those in ``ranges``)."""
     origins = _origins(step_windows)
     wanted = sorted(origins) if steps is None else [s for s in sorted(set(steps)) if s in origins]
     origins = {s: origins[s] for s in wanted}
-    ev = events[events["step"].isin(wanted)]
-    contract = ev[ev["category"].isin(["compute", "p2p", *_COMM_CATEGORIES])]
-    if "gpu_annotation" in contract.columns:  # GPU projections duplicate the host ranges
-        contract = contract[~contract["gpu_annotation"].astype(bool)]
-    contract = contract.copy()
-    contract["phase"], contract["row"] = _phase_and_row(contract)
-    # GPU traces: draw a range where its work ran, as the partition and the pipeline window
-    # see it, not where the host launched it
-    start, end, projected = gpu_extent(events, contract)
-    contract = contract.assign(start_ns=start, end_ns=end,
-                               dur_ns=np.where(projected, end - start, contract["dur_ns"]))
-    picked = contract if not contract.empty else _kernel_fallback(ev)
+    picked = ranges[ranges["step"].isin(wanted)]
+    kernels = picked["category"].astype(object).isin(["kernel_compute", "kernel_comm"])
+    if len(picked) and kernels.all():
+        phase, row = _kernel_phase_and_row(picked)
+    else:
+        picked = picked[~kernels.to_numpy()]
+        phase, row = _phase_and_row(picked)
+    picked = picked.assign(phase=phase, row=row)
 
     start0 = picked["step"].map({s: origins[s][0] for s in wanted}).astype("int64")
     blocks = pd.DataFrame({
@@ -197,7 +192,7 @@ def build_timeline(events: pd.DataFrame, layout, step_windows: dict, pipeline_wi
         "merged": np.ones(len(picked), dtype=np.int64),
     })
     blocks, merged = decimate(blocks, max_blocks)
-    ranks = sorted(int(r) for r in events["rank"].unique())
+    ranks = sorted(int(r) for r in (ranges["rank"].unique() if ranks is None else ranks))
     pipes = {s: ((w[0] - origins[s][0]) / 1e6, (w[1] - origins[s][0]) / 1e6)
              for s, w in (pipeline_windows or {}).items() if s in origins}
     return Timeline(

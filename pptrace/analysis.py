@@ -28,6 +28,7 @@ from .analyzers.gpu_timeline import gpu_timeline, is_launch_bound
 from .analyzers.p2p import link_table, match_pairs
 from .analyzers.partition import breakdown_table, partition_run
 from .analyzers.stragglers import find_stragglers
+from .ingest.projection import drawn_ranges
 from .ingest.run import Run, load_run
 from .progress import ANALYSE, phased
 from .vocab import COMM_DIMS, PARTS, RANGE_KINDS
@@ -258,6 +259,12 @@ class Analysis:
         return partition_run(self._view, self._view.activities, self._pairs)
 
     @cached_property
+    def drawn_ranges(self) -> pd.DataFrame:
+        """The ranges the dashboard's timeline draws (projection.drawn_ranges): the analysed
+        steps' passes, p2p and communication, each where its work ran."""
+        return drawn_ranges(self.run.events, (self._document.get("run") or {}).get("steps") or None)
+
+    @cached_property
     def _stage_pipe(self) -> tuple[pd.DataFrame, dict]:
         view, partitions = self._view, self.partitions
         return pipeline_stages(view, partitions, bubble_split(view, partitions, self._pairs[0]))
@@ -370,8 +377,8 @@ class Analysis:
         from dashboards.page import build_figures
 
         result, note = self.replay
-        return build_figures(self.run, self._document, partitions=self.partitions, whatif_result=result,
-                             whatif_note=note)
+        return build_figures(self.run, self._document, partitions=self.partitions, ranges=self.drawn_ranges,
+                             whatif_result=result, whatif_note=note)
 
 
 def analyze(run_or_path, *, steps=None, ranks=None, **load_options) -> Analysis:

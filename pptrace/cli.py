@@ -181,7 +181,7 @@ def _filters(run_dir, ranks_text, steps_text) -> tuple:
     has trace files)."""
     limit = MAX_LISTED
     if ranks_text:
-        from .ingest.load import find_trace_files
+        from .ingest.files import find_trace_files
 
         limit = max(limit, len(find_trace_files(run_dir)))
     return _int_list(ranks_text, "--ranks", limit), _int_list(steps_text, "--steps")
@@ -203,7 +203,7 @@ def _output(run_dir, path, option: str):
         return None
     if Path(path).is_dir():
         raise click.ClickException(f"cannot write {path}: it is a directory; give {option} a file name")
-    from .ingest.load import find_trace_files
+    from .ingest.files import find_trace_files
 
     try:
         traces = find_trace_files(run_dir)
@@ -235,7 +235,8 @@ def info(run_dir: Path):
     from rich.markup import escape
     from rich.table import Table
 
-    from .ingest.load import find_trace_files, rank_of, read_header
+    from .ingest.document import rank_of, read_header
+    from .ingest.files import find_trace_files
     from .ingest.run import assign_ranks, layout_of
 
     files = find_trace_files(run_dir)

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from pptrace.errors import TraceError
-from pptrace.ingest.load import find_trace_files, load_rank
+from pptrace.ingest.files import find_trace_files
+from pptrace.ingest.load import load_rank
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, pipeline_run, write_run

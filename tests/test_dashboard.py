@@ -27,6 +27,7 @@ from dashboards.page import render_html, write_dashboard
 from dashboards.timeline import build_timeline, decimate
 from pptrace.analyzers.partition import partition_run
 from pptrace.export.report import build_report
+from pptrace.ingest.projection import drawn_ranges
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from dashboard_runs import STEP_LEAD_US, synthetic_report, write_gpipe_run
@@ -38,7 +39,7 @@ def gpipe_run(tmp_path_factory):
 
 def timeline_of(run):
     """The timeline as the page draws it: the run's windows, the step partition's pp_bubble."""
-    return build_timeline(run.events, run.layout, run.step_windows, run.pipeline_windows,
+    return build_timeline(drawn_ranges(run.events), run.layout, run.step_windows, run.pipeline_windows,
                           partition_run(run))
 
 
@@ -258,7 +259,8 @@ def test_write_dashboard_is_self_contained(gpipe_run, tmp_path):
     from pptrace.whatif.predict import whatif
 
     out = write_dashboard(gpipe_run, synthetic_report(gpipe_run.layout), tmp_path / "d" / "r.html",
-                          partitions=partition_run(gpipe_run), whatif_result=whatif(gpipe_run))
+                          partitions=partition_run(gpipe_run), ranges=drawn_ranges(gpipe_run.events),
+                          whatif_result=whatif(gpipe_run))
     html = out.read_text()
     assert html.count("<script") == 1 + 8 + 1  # plotly.js once, a JSON block per figure, loader
     assert html.count('type="application/json"') == 8
@@ -282,7 +284,7 @@ def test_plain_gpu_style_run_falls_back_to_kernels():
         "gpu_annotation": False,
     })
     ev.loc[0, "end_ns"] = 10_000
-    tl = build_timeline(ev, Layout(tp=1, cp=1, pp=1, dp=1), {(0, 0): (0, 10_000)})
+    tl = build_timeline(drawn_ranges(ev), Layout(tp=1, cp=1, pp=1, dp=1), {(0, 0): (0, 10_000)})
     assert sorted(tl.blocks["phase"].unique()) == ["kernel", "nccl"]
     assert set(tl.blocks.loc[tl.blocks["phase"] == "nccl", "row"]) == {"comm"}
     fig = timeline_figure(tl)
@@ -361,11 +363,11 @@ def test_page_draws_the_given_whatif_and_never_runs_one(gpipe_run, tmp_path, mon
 
     monkeypatch.setattr(predict, "whatif", simulate)
     html = write_dashboard(gpipe_run, report, tmp_path / "r.html", partitions=partitions,
-                           whatif_result=result).read_text()
+                           ranges=drawn_ranges(gpipe_run.events), whatif_result=result).read_text()
     replay = re.search(r'id="data-fig-replay">(.*?)</script>', html, re.S).group(1)
     assert "replayed · stage 0" in replay and f"{result['predicted']['step_time_s'] * 1e3:.1f} ms replayed" in replay
     # none given: the page says why, still without simulating
     html = write_dashboard(gpipe_run, report, tmp_path / "r.html", partitions=partitions,
-                           whatif_note="no compute:fwd/bwd ranges").read_text()
+                           ranges=drawn_ranges(gpipe_run.events), whatif_note="no compute:fwd/bwd ranges").read_text()
     replay = json.loads(re.search(r'id="data-fig-replay">(.*?)</script>', html, re.S).group(1))
     assert replay["layout"]["annotations"][0]["text"] == "no what-if replay: no compute:fwd/bwd ranges"

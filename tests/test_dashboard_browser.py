@@ -125,15 +125,10 @@ def _trainer_run(out: Path) -> Path:
 def _page_for(run_dir: Path, html: Path) -> Path:
     """The page as `pptrace dashboard` writes it: the report, the partitions it was built
     from and the what-if replay go in, computed here."""
-    from dashboards import write_dashboard
-    from pptrace.analyzers.partition import partition_run
-    from pptrace.export.report import build_report
-    from pptrace.ingest.run import load_run
-    from pptrace.whatif.predict import whatif
+    import pptrace
+    from pptrace.export.dashboard import write_page
 
-    run = load_run(run_dir, use_cache=False)
-    return write_dashboard(run, build_report(run), html, partitions=partition_run(run),
-                           whatif_result=whatif(run))
+    return write_page(pptrace.analyze(run_dir, use_cache=False, progress=False), html)
 
 
 @pytest.fixture(scope="module")

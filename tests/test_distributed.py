@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from pptrace.cli import cli
 from pptrace.errors import TraceError
-from pptrace.ingest import cluster, load, store
+from pptrace.ingest import cluster, files, load, store
 from pptrace.ingest.run import load_run
 from tracegen import pipeline_run
 
@@ -79,12 +79,12 @@ def document(*args) -> dict:
 
 def cold(run: Path) -> None:
     """No cache entry left: the next load parses every trace."""
-    for trace in load.find_trace_files(run):
+    for trace in files.find_trace_files(run):
         shutil.rmtree(store.cache_path(trace).parent, ignore_errors=True)
 
 
 def entries(run: Path) -> list:
-    return [store.cache_path(t) for t in load.find_trace_files(run) if store.cache_path(t).exists()]
+    return [store.cache_path(t) for t in files.find_trace_files(run) if store.cache_path(t).exists()]
 
 
 @pytest.fixture(scope="module")

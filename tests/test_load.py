@@ -12,10 +12,12 @@ import pandas as pd
 import pytest
 import orjson
 
-from pptrace.ingest import frame, load, store as cache
+from pptrace.ingest import document, files, frame, load, store as cache
 from pptrace.ingest.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
 from pptrace.ingest.schema import CATEGORIES, COLUMNS, RawEvent, classify
-from pptrace.ingest.load import find_trace_files, load_rank, read_header
+from pptrace.ingest.document import read_header
+from pptrace.ingest.files import find_trace_files
+from pptrace.ingest.load import load_rank
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, pipeline_run, write_run
@@ -137,10 +139,10 @@ def test_chunked_parse_equals_whole_document(tmp_path, monkeypatch):
     pipeline_run(tmp_path / "a", pp=2, microbatches=3, cpu_ops_per_mb=5, gz=False)
     path = tmp_path / "a" / "traces" / "rank1.json"
     whole, _ = load_rank(path)
-    monkeypatch.setattr(load, "_CHUNK_BYTES", 2000)  # forces dozens of slices
+    monkeypatch.setattr(document, "_CHUNK_BYTES", 2000)  # forces dozens of slices
     data = path.read_bytes()
-    _, start, end = load._locate_events(data)
-    chunks = list(load._parse_slices(data, start, end, path, []))
+    _, start, end = document._locate_events(data)
+    chunks = list(document._parse_slices(data, start, end, path, []))
     assert len(chunks) > 10 and all(blob is not None for _, blob in chunks)
     sliced, _ = load_rank(path)
     pd.testing.assert_frame_equal(whole, sliced)
@@ -270,7 +272,7 @@ def test_cut_inside_a_string_falls_back_to_whole_parse(tmp_path, monkeypatch):
     for i in range(200):
         t.add(f"odd}}, {{name {i}", i, 1, cat="cpu_op")
     path = t.write(tmp_path / "rank0.json", compact=True)
-    monkeypatch.setattr(load, "_CHUNK_BYTES", 300)
+    monkeypatch.setattr(document, "_CHUNK_BYTES", 300)
     frame, meta = load_rank(path)
     assert len(frame) == 201 and not meta["warnings"]
     assert set(frame.loc[frame["cat"] == "cpu_op", "name"].astype(str)) == {f"odd}}, {{name {i}" for i in range(200)}
@@ -303,7 +305,7 @@ def _same_load(path):
 
 
 def _slice_kinds(path):
-    _, slices, _ = load.parse_document(path)
+    _, slices, _ = document.parse_document(path)
     return {type(events[0]) for events, _ in slices if events}
 
 
@@ -316,7 +318,7 @@ def test_typed_decoding_equals_dict_reference_on_hta_fixtures(hta_fixtures, name
 @pytest.mark.parametrize("gz", [False, True])
 def test_typed_decoding_equals_dict_reference_on_tracegen_runs(tmp_path, monkeypatch, gz):
     run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=2, microbatches=4, cpu_ops_per_mb=40, gz=gz)
-    monkeypatch.setattr(load, "_CHUNK_BYTES", 20_000)  # many slices
+    monkeypatch.setattr(document, "_CHUNK_BYTES", 20_000)  # many slices
     for path in find_trace_files(run_dir):
         assert _slice_kinds(path) == {RawEvent}
         frame = _same_load(path)
@@ -341,7 +343,7 @@ def test_slices_the_typed_decoder_rejects_are_parsed_as_dicts(tmp_path, monkeypa
     data = t.dumps().replace(b'"NAN_HERE"', b"NaN")
     path = tmp_path / "rank0.json"
     path.write_bytes(data)
-    monkeypatch.setattr(load, "_CHUNK_BYTES", 3000)
+    monkeypatch.setattr(document, "_CHUNK_BYTES", 3000)
     assert _slice_kinds(path) == {RawEvent, dict}
     frame = _same_load(path)
     # the events without ts and with the NaN duration are dropped (issue 15), not clamped to 0
@@ -426,16 +428,16 @@ def test_trace_size_is_the_decompressed_size(tmp_path):
     doc = b'{"traceEvents": []}' + b" " * 100_000
     (tmp_path / "a.json").write_bytes(doc)
     (tmp_path / "a.json.gz").write_bytes(gzip.compress(doc))
-    assert load.trace_size(tmp_path / "a.json") == len(doc)
-    assert load.trace_size(tmp_path / "a.json.gz") == len(doc)
-    assert load.trace_size(tmp_path / "missing.json") == 0
+    assert files.trace_size(tmp_path / "a.json") == len(doc)
+    assert files.trace_size(tmp_path / "a.json.gz") == len(doc)
+    assert files.trace_size(tmp_path / "missing.json") == 0
 
 
 def test_gunzip_takes_gzips_way_for_several_members(tmp_path):
     """The trailer describes the last member only: a concatenation still loads whole."""
     one, two = b'{"traceEvents": [', b"]}"
-    assert load._gunzip(gzip.compress(one) + gzip.compress(two)) == one + two
-    assert load._gunzip(gzip.compress(one + two)) == one + two
+    assert document._gunzip(gzip.compress(one) + gzip.compress(two)) == one + two
+    assert document._gunzip(gzip.compress(one + two)) == one + two
 
 
 def test_a_stored_table_that_went_bad_is_one_clear_error(tmp_path):
@@ -466,7 +468,7 @@ def test_rank_assignment_reads_only_the_head_when_it_has_everything(tmp_path):
     for name, doc in (("before", before), ("after", after), ("plain", plain)):
         path = tmp_path / f"{name}.json.gz"
         path.write_bytes(gzip.compress(doc.encode()))
-        assert len(doc) > 2 * load._HEADER_PEEK  # the tail is a separate read
+        assert len(doc) > 2 * document._HEADER_PEEK  # the tail is a separate read
         full = read_header(path)
         assert full["distributedInfo"]["rank"] == 3 and full["baseTimeNanoseconds"] == 7
         enough = read_header(path, enough=("pptrace", "distributedInfo"))

@@ -1,6 +1,7 @@
 """The dashboard as an output: hands ``dashboards`` (which computes nothing) what the page
 draws, all of it from one :class:`~pptrace.analysis.Analysis`: the report, the step
-partitions it was built from (the timeline's grey is their pp_bubble) and the what-if replay
+partitions it was built from (the timeline's grey is their pp_bubble), the ranges the timeline
+draws and the what-if replay
 of the step as measured, or why there is none."""
 from __future__ import annotations
 
@@ -16,4 +17,4 @@ def write_page(analysis, path, png_dir=None) -> Path:
 
     result, note = analysis.replay
     return write_dashboard(analysis.run, analysis.to_json(), path, partitions=analysis.partitions,
-                           whatif_result=result, whatif_note=note, png_dir=png_dir)
+                           ranges=analysis.drawn_ranges, whatif_result=result, whatif_note=note, png_dir=png_dir)

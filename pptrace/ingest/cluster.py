@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import TraceError
+from .columnar import StoredTable
 
 #: load_ranks' ``scheduler`` for a cluster of ``workers`` processes on this machine.
 LOCAL = "local"
@@ -109,25 +110,22 @@ def _on_worker(job, args: tuple, pack: bool):
     exist, or be another file, on the machine that assembles the run."""
     stored, meta, error = job(*args)
     if pack and stored is not None and stored.path is not None:
-        from .columnar import StoredTable
-
         stored = StoredTable(stored.num_rows, ipc=Path(stored.path).read_bytes())
     return stored, meta, error
 
 
-def map_jobs(scheduler: str, workers: int | None, calls: dict, on_done) -> None:
-    """Run ``load._parse_job(*args)`` for each ``index -> args`` of ``calls`` on Dask (see
-    :func:`client`), calling ``on_done(index, outcome)`` in this process as each finishes.
-    Raises TraceError if a job cannot be run (its workers died, the scheduler went away, the
-    worker lacks pptrace or cannot read the trace): a report then would miss that rank."""
-    from . import load
-
+def map_jobs(scheduler: str, workers: int | None, job, calls: dict, on_done) -> None:
+    """Run ``job(*args)`` (the loader's parse of one trace, load._parse_job) for each
+    ``index -> args`` of ``calls`` on Dask (see :func:`client`), calling ``on_done(index,
+    outcome)`` in this process as each finishes. Raises TraceError if a job cannot be run (its
+    workers died, the scheduler went away, the worker lacks pptrace or cannot read the trace):
+    a report then would miss that rank."""
     distributed = require()
     pack = scheduler != LOCAL  # a remote worker's cache entry is not this machine's file
     token = uuid.uuid4().hex[:8]
     with client(scheduler, workers) as dask_client:
         futures = {
-            dask_client.submit(_on_worker, load._parse_job, args, pack, pure=False,
+            dask_client.submit(_on_worker, job, args, pack, pure=False,
                                key=f"pptrace-load-rank{args[1]}-{token}-{i}"): i
             for i, args in calls.items()
         }

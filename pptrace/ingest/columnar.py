@@ -181,12 +181,14 @@ class StoredTable:
         return pa.ipc.open_file(pa.py_buffer(self.ipc), memory_pool=pool).read_all()
 
 
-def frame_from_tables(tables: list) -> pd.DataFrame:
+def frame_from_tables(tables: list, reparse=None) -> pd.DataFrame:
     """Many per-rank tables (pyarrow Tables or :class:`StoredTable`) -> one DataFrame.
 
     The result's columns are allocated once and filled table by table; a stored table is
     read only when its turn comes and dropped right after, and ``tables`` is emptied as it
     goes: the peak is the result plus one rank's table, never every rank's tables at once.
+    ``reparse(item)``: the table of a broken cache entry, parsed again from its trace (the
+    loader's, load.parse_again: parsing sits above this layer); None: a broken entry raises.
     """
     n = sum(t.num_rows for t in tables)
     if n == 0:
@@ -209,7 +211,7 @@ def frame_from_tables(tables: list) -> pd.DataFrame:
     tables.reverse()
     while tables:
         item = tables.pop()
-        table = _read_stored(item) if isinstance(item, StoredTable) else item
+        table = _read_stored(item, reparse) if isinstance(item, StoredTable) else item
         del item
         _fill(out, lookups, table, pos)
         pos += table.num_rows
@@ -229,9 +231,9 @@ def frame_from_tables(tables: list) -> pd.DataFrame:
     return pd.DataFrame(columns, copy=False)
 
 
-def _read_stored(item: StoredTable):
+def _read_stored(item: StoredTable, reparse):
     """The table of ``item``; a broken cache entry (damaged on disk, or replaced by another
-    pptrace since it was looked up) is dropped and its trace parsed again."""
+    pptrace since it was looked up) is parsed again by ``reparse``."""
     import pyarrow as pa
 
     from ..errors import TraceError
@@ -247,27 +249,10 @@ def _read_stored(item: StoredTable):
         if table.num_rows == item.num_rows:
             return table
         problem = f"{table.num_rows} rows where {item.num_rows} were recorded"
-    if item.path is not None and item.source is not None:
-        return _parse_again(item)
+    if reparse is not None and item.path is not None and item.source is not None:
+        return reparse(item)
     where = item.path if item.path is not None else "a rank's table in memory"
     raise TraceError(f"{where}: {problem}; delete the cache entry and load again")
-
-
-def _parse_again(item: StoredTable):
-    from ..errors import TraceError
-    from . import store
-    from .load import _parse_job
-
-    store.drop(item.path)
-    trace, rank = item.source
-    stored, _, error = _parse_job(trace, rank, use_cache=True)
-    if error is not None:
-        raise TraceError(f"{item.path}: broken cache entry, and its trace no longer loads: {error}")
-    table = stored.read()
-    if table.num_rows != item.num_rows:
-        raise TraceError(f"{trace}: changed while pptrace loaded it ({table.num_rows} events, "
-                         f"{item.num_rows} a moment before); run again")
-    return table
 
 
 def _fill(out: dict, lookups: dict, table, pos: int) -> None:

@@ -11,6 +11,28 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..vocab import COMM_CATEGORIES
+
+#: What a timeline draws: the passes, p2p, every dimension's communication, and waits.
+DRAWN_CATEGORIES = ("compute", "p2p", *COMM_CATEGORIES, "wait")
+KERNEL_CATEGORIES = ("kernel_compute", "kernel_comm")
+
+
+def drawn_ranges(events: pd.DataFrame, steps=None) -> pd.DataFrame:
+    """The ranges of ``steps`` (None: all) a timeline draws, each where its work ran as the
+    step partition sees it: on a GPU trace its device extent (:func:`gpu_extent`), the
+    gpu_user_annotation copies of host ranges left out. A trace with no such ranges (a
+    plain GPU trace) draws its kernels (KERNEL_CATEGORIES) instead, so the page is still a
+    timeline."""
+    ev = events if steps is None else events[events["step"].isin(list(steps))]
+    drawn = ev[ev["category"].isin(DRAWN_CATEGORIES)]
+    if "gpu_annotation" in drawn.columns:
+        drawn = drawn[~drawn["gpu_annotation"].astype(bool)]
+    if drawn.empty:
+        return ev[ev["category"].isin(KERNEL_CATEGORIES)].copy()
+    start, end, projected = gpu_extent(events, drawn)
+    return drawn.assign(start_ns=start, end_ns=end, dur_ns=np.where(projected, end - start, drawn["dur_ns"]))
+
 
 def gpu_extent(events: pd.DataFrame, rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(start_ns, end_ns, projected) for ``rows`` (host ranges, a subset of ``events``):

@@ -19,8 +19,9 @@ from .claims import is_count, is_index, shape
 from .activity import activities
 from ..errors import TraceError
 from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
-from .columnar import frame_from_tables
-from .load import find_trace_files, load_ranks, rank_of, read_header
+from .document import rank_of, read_header
+from .files import find_trace_files
+from .load import assemble, load_ranks
 from ..topology import Layout
 from .windows import profiled_steps
 
@@ -437,7 +438,7 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
             "results cover the others only"
         )
     with phase(ASSEMBLE, enabled=progress):
-        events = frame_from_tables(tables)  # empties `tables`
+        events = assemble(tables)  # empties `tables`
         memory.release()
     _check_spread(events, metas)
     run_steps, differ = _check_steps(metas, warnings, path)

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from ..errors import TraceError
 from .columnar import StoredTable, metadata_intact
-from .load import open_trace
+from .files import open_trace
 from .schema import SCHEMA_VERSION
 
 CACHE_DIRNAME = ".pptrace-cache"

@@ -1,0 +1,462 @@
+"""A torch.profiler trace's JSON document -> its header and its events, fast and with bounded memory.
+
+A torch.profiler trace is one JSON document whose ``traceEvents`` array holds every event.
+Parsing it whole with orjson needs ~8x the file size in Python objects, so the array is cut
+into slices of ~256 KB at event boundaries and each slice is parsed and turned into columns
+before the next one (frame.build_frame). A raw newline cannot occur inside a JSON string, so a
+cut at ``}\\n  {`` / ``}, {`` that lands inside an event makes that slice unparseable (unbalanced
+braces); the loader then falls back to parsing the whole document, never to a wrong answer.
+
+Slices are decoded by msgspec into :class:`~pptrace.ingest.schema.RawEvent` structs that declare
+only the fields the table needs (everything else is skipped, never built); a slice msgspec
+rejects (invalid UTF-8, NaN, an odd value) is parsed by orjson/json into dicts instead, which
+give the same table. The header (top-level metadata) is read without the events
+(:func:`read_header`), from the cache where an entry is valid.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import orjson
+
+from ..errors import TraceError
+from .files import GZIP_MAGIC, GZIP_MIN_BYTES, gzip_trailer, open_trace
+from .schema import RawEvent
+from .store import lookup, probe_of
+
+#: Separators between events, most specific first: Kineto's indented output, then compact.
+_SEPARATORS = (b"\n  },\n  {", b"}, {", b"},{")
+
+
+#: Slices of ~256 KB stay in the CPU caches while they are decoded: 1.4x faster than 4 MB.
+_CHUNK_BYTES = 256 << 10
+
+
+_HEADER_PEEK = 1 << 20
+
+
+_SLICE_JUNK = b", \n\t\r"  # around the events of a slice
+
+
+_EVENTS_KEY = b'"traceEvents"'
+
+
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+#: Deeper values than this are replaced by null before decoding: real traces nest a few
+#: levels (Input Dims is a list of lists), and the decoders recurse per level (msgspec
+#: stops at the interpreter's limit; orjson 3.8 does not stop and overflows the C stack).
+_MAX_DEPTH = 64
+
+
+_SKIP_DECODER = msgspec.json.Decoder(msgspec.Raw)
+
+
+def _strip_bom(data: bytes) -> bytes:
+    # Windows editors and PowerShell put one in front of the JSON they save; JSON parsers reject it.
+    return data[len(_BOM):] if data.startswith(_BOM) else data
+
+
+def read_trace(path: Path):
+    """(decompressed bytes, stat of the file read, its raw bytes' cache probe)."""
+    fh, st = open_trace(path)
+    try:
+        with fh:
+            data = fh.read()
+    except OSError as exc:
+        raise TraceError(
+            f"cannot read {path}: {exc.strerror or exc}; check that the file exists and is readable"
+        ) from None
+    probe = probe_of(data) if len(data) == st.st_size else None  # shorter/longer: written meanwhile
+    if data[:2] == GZIP_MAGIC:
+        try:
+            data = _gunzip(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise TraceError(
+                f"{path}: corrupt or truncated gzip ({exc}); re-copy the file or re-run the profiler"
+            ) from None
+    data = _strip_bom(data)
+    if not data or data.isspace():  # not strip(): that copies the whole trace
+        raise TraceError(f"{path}: empty file; the rank probably died before writing its trace")
+    return data, st, probe
+
+
+def _gunzip(raw: bytes) -> bytes:
+    """gzip.decompress at half its peak memory: its output grows in blocks joined at the
+    end (2x the trace at once); sized by the trailer's length, zlib fills one buffer. The
+    trailer describes the last member, so a file of several members (``cat a.gz b.gz``),
+    whose first member then disagrees in length or CRC, takes gzip's way."""
+    if len(raw) >= GZIP_MIN_BYTES:
+        crc, size = gzip_trailer(raw[-8:])
+        data = zlib.decompress(raw, 16 + zlib.MAX_WBITS, max(size, 1))
+        if len(data) == size and zlib.crc32(data) == crc:
+            return data
+        del data
+    return gzip.decompress(raw)
+
+
+def _read_bytes(path: Path) -> bytes:
+    return read_trace(path)[0]
+
+
+def _too_deep(blob) -> bool:
+    """Whether ``blob`` nests deeper than the decoders can follow. msgspec skipping a value
+    builds nothing (7x faster than parsing it) and stops at the interpreter's recursion
+    limit; malformed input is left for the real parse to report."""
+    try:
+        _SKIP_DECODER.decode(blob)
+    except RecursionError:
+        return True
+    except msgspec.DecodeError:
+        pass
+    return False
+
+
+def _flatten_deep(blob: bytes, path, warnings: list) -> bytes | None:
+    """``blob`` with every value nested deeper than _MAX_DEPTH replaced by null (None when
+    none is): unused deep ``args`` cost their event nothing. Depth is counted over the
+    whole byte array, brackets inside strings (after an unescaped quote) excluded."""
+    a = np.frombuffer(blob, dtype=np.uint8)
+    index = np.arange(len(a), dtype=np.int64)
+    backslash = a == ord("\\")
+    last_plain = np.maximum.accumulate(np.where(backslash, -1, index))
+    # a quote after an odd run of backslashes is escaped
+    run = index - 1 - np.concatenate(([-1], last_plain[:-1]))
+    quote = (a == ord('"')) & (run % 2 == 0)
+    del index, last_plain, run, backslash
+    outside = np.cumsum(quote, dtype=np.int64) % 2 == 0
+    opens = ((a == ord("{")) | (a == ord("["))) & outside
+    closes = ((a == ord("}")) | (a == ord("]"))) & outside
+    after = np.cumsum(opens.astype(np.int32) - closes.astype(np.int32), dtype=np.int32)
+    before = after - opens + closes
+    # from the bracket that opens level _MAX_DEPTH + 1 to the one that closes it
+    deep = (after > _MAX_DEPTH) | (before > _MAX_DEPTH)
+    del after, before, opens, closes, outside
+    edges = np.diff(np.concatenate(([0], deep.view(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if not len(starts):
+        return None
+    warnings.append(
+        f"{path}: {len(starts)} value(s) nested more than {_MAX_DEPTH} levels deep replaced by null "
+        "(pptrace reads a few levels of event args)"
+    )
+    keep_from, keep_to = np.concatenate(([0], ends)), np.concatenate((starts, [len(a)]))
+    return b"null".join(blob[i:j] for i, j in zip(keep_from.tolist(), keep_to.tolist()))
+
+
+def _orjson(blob):
+    """orjson.loads, refusing (JSONDecodeError) what nests too deep for it."""
+    if _too_deep(blob):
+        raise orjson.JSONDecodeError(f"nested more than {_MAX_DEPTH} levels deep", "", 0)
+    return orjson.loads(blob)
+
+
+def _loads(blob: bytes, path: Path, warnings: list, fixes=("deep", "utf8")):
+    """orjson, with the slow fallbacks that real traces need: ints beyond 64 bits (json
+    keeps them as Python ints), invalid UTF-8 (replaced, with a warning) and values nested
+    too deep (replaced by null, with a warning)."""
+    if "deep" in fixes and _too_deep(blob):
+        flat = _flatten_deep(blob, path, warnings)
+        rest = tuple(f for f in fixes if f != "deep")
+        return _loads(flat if flat is not None else blob, path, warnings, rest)
+    try:
+        return orjson.loads(blob)
+    except orjson.JSONDecodeError as exc:
+        message = str(exc)
+    if "utf8" in fixes and ("UTF-8" in message or "utf-8" in message):
+        warnings.append(f"{path}: invalid UTF-8 in the trace; bad bytes replaced by U+FFFD")
+        fixed = blob.decode("utf-8", "replace").encode("utf-8")
+        return _loads(fixed, path, warnings, tuple(f for f in fixes if f != "utf8"))
+    try:
+        return json.loads(blob)
+    except (ValueError, RecursionError):
+        raise orjson.JSONDecodeError(message, "", 0) from None
+
+
+def _last_byte(data: bytes, start: int, end: int) -> bytes:
+    """The last non-whitespace byte of data[start:end] (b"" if none), without copying it."""
+    while end > start and data[end - 1] in b" \t\r\n":
+        end -= 1
+    return data[end - 1:end] if end > start else b""
+
+
+def _locate_events(data: bytes):
+    """(header bytes with an empty events array, events start, events end or None)."""
+    key = data.find(_EVENTS_KEY)
+    if key < 0:
+        return None
+    start = data.find(b"[", key + len(_EVENTS_KEY))
+    if start < 0 or data[key + len(_EVENTS_KEY):start].strip(b" \t\r\n:"):
+        return None
+    # The array's closing bracket is among the last few ']' (only short metadata such as
+    # traceName follows it); the right one is the one that leaves a valid document.
+    end, tries = len(data), 0
+    while tries < 64:
+        end = data.rfind(b"]", start, end)
+        if end < 0:
+            break
+        # The array ends right after an event's '}' (or is empty); a ']' after anything else
+        # closes a metadata list such as Kineto's trailing "INFO": [...].
+        if _last_byte(data, start, end) not in (b"}", b"["):
+            continue
+        head = data[:start] + b"[]" + data[end + 1:]
+        try:
+            _orjson(head)
+            return head, start + 1, end
+        except orjson.JSONDecodeError:
+            tries += 1
+    return data[:start] + b"[]}", start + 1, None  # truncated: no closing bracket found
+
+
+def _cut_points(data: bytes, start: int, end: int) -> list[int]:
+    sep = next((s for s in _SEPARATORS if data.find(s, start, min(end, start + _CHUNK_BYTES)) >= 0), None)
+    cuts = [start]
+    if sep is not None:
+        pos = start + _CHUNK_BYTES
+        while pos < end:
+            hit = data.find(sep, pos, end)
+            if hit < 0:
+                break
+            cuts.append(hit + sep.index(b"}") + 1)  # just after the closing brace of an event
+            pos = hit + _CHUNK_BYTES
+    cuts.append(end)
+    return cuts
+
+
+def _decode_slice(decoder, blob: bytes, path: Path, warnings: list) -> list:
+    """Typed decoding (msgspec builds only the fields the table uses, ~6x faster than
+    orjson's dicts); anything it rejects (invalid UTF-8, an odd value such as a list for
+    ``args``, NaN) goes through :func:`_loads` and its fallbacks as event dicts."""
+    if decoder is not None:
+        try:
+            return decoder.decode(blob)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        except RecursionError:
+            flat = _flatten_deep(blob, path, warnings)
+            if flat is not None:
+                return _decode_slice(decoder, flat, path, warnings)
+    return _loads(blob, path, warnings)
+
+
+def _parse_slices(data: bytes, start: int, end: int, path: Path, warnings: list, typed: bool = True):
+    """Yield (events, slice bytes) for each slice of the events array: lists of
+    :class:`~pptrace.ingest.schema.RawEvent` (``typed``) or of dicts."""
+    decoder = msgspec.json.Decoder(list[RawEvent]) if typed else None
+    cuts = _cut_points(data, start, end)
+    view = memoryview(data)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        while a < b and data[a] in _SLICE_JUNK:
+            a += 1
+        while b > a and data[b - 1] in _SLICE_JUNK:
+            b -= 1
+        blob = b"".join((b"[", view[a:b], b"]"))  # one copy, not three
+        yield _decode_slice(decoder, blob, path, warnings), blob
+
+
+def _salvage_truncated(data: bytes, start: int, path: Path, warnings: list):
+    """Events before the cut of a trace whose writer died mid-file."""
+    body = data[start:]
+    for sep in _SEPARATORS:
+        cut = body.rfind(sep)
+        while cut > 0:
+            blob = b"[" + body[: cut + sep.index(b"}") + 1].strip(b", \n\t\r") + b"]"
+            try:
+                events = _loads(blob, path, warnings)
+            except orjson.JSONDecodeError:
+                cut = body.rfind(sep, 0, cut)
+                continue
+            warnings.append(
+                f"{path}: truncated trace (the rank died while writing it?); using the "
+                f"{len(events)} events before the cut"
+            )
+            return [(events, blob)]
+    return None
+
+
+def parse_document(path, data: bytes | None = None, whole: bool = False, typed: bool = True):
+    """-> (header dict, iterable of (events list, raw slice bytes), warnings).
+
+    The slices are parsed lazily, one at a time as the caller iterates; a slice that does
+    not parse raises orjson.JSONDecodeError from the iteration, and the caller then asks
+    again with ``whole=True`` (see load_rank). Events are :class:`~pptrace.ingest.schema.RawEvent`
+    structs where typed decoding accepts a slice (``typed=False``: always dicts, the
+    straightforward reference), dicts otherwise.
+    """
+    path = Path(path)
+    warnings: list = []
+    data = _read_bytes(path) if data is None else _strip_bom(data)
+    located = None if whole else _locate_events(data)
+    if located is not None:
+        head_bytes, start, end = located
+        try:
+            header = _loads(head_bytes, path, warnings)
+        except orjson.JSONDecodeError:
+            header = None
+        if isinstance(header, dict):
+            if end is not None:
+                return header, _parse_slices(data, start, end, path, warnings, typed), warnings
+            slices = _salvage_truncated(data, start, path, warnings)
+            if slices is not None:
+                return header, slices, warnings
+    try:
+        doc = _loads(data, path, warnings)
+    except orjson.JSONDecodeError as exc:
+        raise TraceError(
+            f"{path}: not valid JSON ({str(exc).splitlines()[0]}); the file is truncated or is "
+            "not a torch.profiler trace"
+        ) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise TraceError(
+            f"{path}: JSON without a 'traceEvents' list, so not a torch.profiler / Chrome trace; "
+            "point pptrace at the run's traces/ directory"
+        )
+    events = doc.pop("traceEvents")
+    return doc, [(events, None)], warnings
+
+
+def normalize_header(header: dict, path: Path) -> dict:
+    block = header.get("pptrace")
+    if isinstance(block, str):  # add_metadata_json may leave the value as a string
+        try:
+            block = _orjson(block)
+        except orjson.JSONDecodeError:
+            block = None
+    header = dict(header)
+    header["pptrace"] = block if isinstance(block, dict) else None
+    dist = header.get("distributedInfo")
+    header["distributedInfo"] = dist if isinstance(dist, dict) else None
+    return header
+
+
+def _head_and_tail(path: Path, enough: tuple = ()) -> bytes | None:
+    """The first and the last ``_HEADER_PEEK`` bytes of the (decompressed) trace joined at
+    the events array's opening bracket, or the whole document when it is that small: what
+    :func:`_locate_events` needs to see the metadata on both sides of ``traceEvents``
+    (pptrace's own traces carry the pptrace block before the events; Kineto writes its
+    top-level metadata after them). The events between are streamed past, never parsed.
+    ``enough``: keys any of which, found before the events, makes the head alone the answer
+    (a document with its events array emptied): no inflating a .gz to its end for them."""
+    raw, _ = open_trace(path)
+    with raw:
+        fh = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == GZIP_MAGIC else raw
+        head = _strip_bom(fh.read(_HEADER_PEEK))
+        if enough and (alone := _head_alone(head, enough)) is not None:
+            return alone
+        tail = fh.read(_HEADER_PEEK)
+        if len(tail) < _HEADER_PEEK:
+            return head + tail
+        while True:  # keep only the last window: bounded memory on any trace size
+            more = fh.read(_HEADER_PEEK)
+            if not more:
+                break
+            tail = tail[len(more):] + more if len(more) < _HEADER_PEEK else more
+    bracket = _events_bracket(head)
+    return head[: bracket + 1] + tail if bracket >= 0 else None
+
+
+def _events_bracket(head: bytes) -> int:
+    """Where the events array opens in the first bytes of a trace (-1: not there)."""
+    key = head.find(_EVENTS_KEY)
+    return head.find(b"[", key) if key >= 0 else -1
+
+
+def _head_alone(head: bytes, enough: tuple) -> bytes | None:
+    """The metadata before the events as a document of its own, if it holds any of ``enough``."""
+    bracket = _events_bracket(head)
+    if bracket < 0:
+        return None
+    alone = head[: bracket + 1] + b"]}"
+    try:
+        found = orjson.loads(alone)
+    except orjson.JSONDecodeError:
+        return None
+    return alone if isinstance(found, dict) and any(found.get(k) is not None for k in enough) else None
+
+
+def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
+    """The top-level metadata of a trace (distributedInfo, pptrace block, baseTimeNanoseconds,
+    ...) wherever it sits, before or after ``traceEvents``, without building the events
+    table. The one reader of headers: :func:`load_rank` gets its header from the same
+    :func:`_locate_events` split of the whole document and keeps it in its meta, so that
+    with ``cached`` a valid cache entry gives it without decompressing the trace (reaching
+    the metadata after the events of a .gz means inflating all of it). ``enough``: keys
+    written together (torch.profiler's add_metadata_json keys, which Kineto writes before
+    the events); when the metadata before the events has one of them, the rest of the
+    header (Kineto's baseTimeNanoseconds, traceName, after the events) is not read, and a
+    key of ``enough`` that a rewritten file moved after the events is missed: the caller
+    gets it from the load's full header (run.load_run)."""
+    path = Path(path)
+    header = _cached_header(path) if cached else None
+    if header is not None:
+        return _checked(header, path)
+    try:
+        ends = _head_and_tail(path, enough)
+    except (OSError, EOFError, zlib.error):
+        ends = None
+    header = None
+    located = _locate_events(ends) if ends else None
+    if located is not None and located[2] is not None:
+        try:
+            header = _orjson(located[0])
+        except orjson.JSONDecodeError:
+            pass
+    if not isinstance(header, dict):
+        header, _, _ = parse_document(path)  # odd layouts, truncated or corrupt files
+    return _checked(normalize_header(header, path), path)
+
+
+def _cached_header(path: Path) -> dict | None:
+    found = lookup(path)
+    header = found[1].get("header") if found is not None else None
+    return header if isinstance(header, dict) else None
+
+
+def _checked(header: dict, path: Path) -> dict:
+    writer = _pptrace_output(header)
+    if writer is not None:
+        raise TraceError(
+            f"{path}: written by `{writer}`, not one rank's trace; keep pptrace's outputs outside "
+            "the traces directory"
+        )
+    return header
+
+
+def _pptrace_output(header: dict) -> str | None:
+    """The pptrace command that wrote this trace when it is pptrace's own output (the
+    metadata export/perfetto.py and whatif/predict.py write), else None: a merged trace or
+    a simulated one in a traces directory is not one more rank."""
+    other = header.get("otherData")
+    if isinstance(other, dict) and isinstance(other.get("pptrace"), dict) \
+            and not header.get("pptrace"):  # (normalized: None where absent)
+        return "pptrace merge"
+    if isinstance(header.get("pptrace_whatif"), dict):
+        return "pptrace whatif --trace"
+    return None
+
+
+def rank_of(header: dict, path) -> int | None:
+    """pptrace block, then distributedInfo, then a ``rank{r}`` in the file name."""
+    for source in (header.get("pptrace") or {}, header.get("distributedInfo") or {}):
+        rank = source.get("rank")
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+            return rank
+    match = _RANK_IN_NAME.search(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def base_ns(header: dict) -> int:
+    base = header.get("baseTimeNanoseconds")
+    if not isinstance(base, int) or isinstance(base, bool) or abs(base) >= 2**62:
+        return 0  # older traces write ts as epoch microseconds and no base
+    return base
