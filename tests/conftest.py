@@ -21,6 +21,22 @@ def hta_fixtures() -> Path:
 
 
 @pytest.fixture(scope="session")
+def sleep_run(tmp_path_factory):
+    """name -> the directory of that shared sleep-mode trainer run (sleep_runs.RUNS), made
+    once a session, on first use."""
+    import sleep_runs
+
+    made: dict = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = sleep_runs.make(tmp_path_factory.mktemp(name) / "run", name)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def gloo_run(tmp_path_factory) -> Path:
     """A real 4-rank gloo run of the toy pipeline (pp=2 x dp=2, 4 microbatches, steps 1-8).
     Eight profiled steps give alignment enough collectives to be tight on a busy host."""

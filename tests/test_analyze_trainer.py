@@ -1,6 +1,7 @@
-"""The analysis on real runs of the reference trainer (4 gloo processes, sleep mode), whose
-ground truth is set by the flags: p=4 stages, m=8 microbatches, forward 10 ms, backward
-20 ms per microbatch per stage, so 1F1B's bubble is (p-1)(t_f+t_b) = 90 ms per stage.
+"""The analysis on real runs of the reference trainer (4 gloo processes, sleep mode: the
+shared runs of tests/sleep_runs.py), whose ground truth is set by the flags: p=4 stages, m=8
+microbatches, forward 10 ms, backward 20 ms per microbatch per stage, so 1F1B's bubble is
+(p-1)(t_f+t_b) = 90 ms per stage.
 
 Sleep mode keeps 4 processes cheap on 2 cores (they sleep). p2p latency on the critical
 path adds real bubble on top of the closed forms; the analysis separates it
@@ -17,31 +18,23 @@ import numpy as np
 import orjson
 import pytest
 
-from truth_checks import Bracket, assert_inside
+from sleep_runs import DELAY_S, DELAYED_RANK, M, P, PROFILED, T_F
+from truth_checks import TOLERANCE_MS, Bracket, assert_inside
 
 pytestmark = pytest.mark.slow
 
-P, M, T_F, T_B = 4, 8, 0.010, 0.020
-SLEEP = ["--pp", "4", "--microbatches", "8", "--compute", "sleep", "--fwd-ms", "10", "--steps", "6",
-         "--profile-steps", "1-5"]
-RUNS = {
-    "1f1b": [*SLEEP, "--schedule", "1f1b", "--bwd-ms", "20"],
-    # Megatron's default for interleaved: overlap_p2p_comm
-    "interleaved": [*SLEEP, "--schedule", "interleaved", "--vpp", "2", "--layers", "8", "--bwd-ms", "20"],
-    "zb-h1": [*SLEEP, "--schedule", "zb-h1", "--bwd-ms", "10", "--wgrad-ms", "10"],
-    "delay": [*SLEEP, "--schedule", "1f1b", "--bwd-ms", "20", "--delay", "1:fwd:5"],
-}
+T_B = 0.020  # the whole backward (input and weight grad) of a microbatch on a stage
+SLEEP_RUNS = ("1f1b", "interleaved", "zb-h1", "delay")
 CP_MODEL = ["--cp", "2", "--compute", "model", "--layers", "2", "--hidden", "128", "--heads", "4",
             "--seq-len", "512", "--micro-batch-size", "2", "--microbatches", "1", "--steps", "3",
             "--profile-steps", "1-2"]
-RUNS["cp_overlap"] = CP_MODEL
-RUNS["cp_no_overlap"] = [*CP_MODEL, "--no-cp-overlap"]
-DELAYED_RANK, DELAY_S = 1, 0.005
+RUNS = {"cp_overlap": CP_MODEL, "cp_no_overlap": [*CP_MODEL, "--no-cp-overlap"]}
 
 
 @pytest.fixture(scope="session")
-def trainer_run(tmp_path_factory):
-    """name -> (Run, report); each trainer run happens once per session, on first use."""
+def trainer_run(tmp_path_factory, sleep_run):
+    """name -> (Run, report, run directory); each trainer run happens once per session, on
+    first use (the sleep-mode ones are the suite's shared runs)."""
     if importlib.util.find_spec("instrumented_model.train") is None:
         pytest.skip("instrumented_model.train does not exist yet")
     from pptrace.export.report import build_report
@@ -51,10 +44,13 @@ def trainer_run(tmp_path_factory):
 
     def get(name):
         if name not in cache:
-            out = tmp_path_factory.mktemp(name)
-            proc = subprocess.run([sys.executable, "-m", "instrumented_model.train", *RUNS[name], "--out", str(out)],
-                                  capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stderr[-2000:]
+            if name in SLEEP_RUNS:
+                out = sleep_run(name)
+            else:
+                out = tmp_path_factory.mktemp(name)
+                proc = subprocess.run([sys.executable, "-m", "instrumented_model.train", *RUNS[name], "--out", str(out)],
+                                      capture_output=True, text=True, timeout=300)
+                assert proc.returncode == 0, proc.stderr[-2000:]
             run = load_run(out)
             cache[name] = (run, build_report(run), out)
         return cache[name]
@@ -62,28 +58,56 @@ def trainer_run(tmp_path_factory):
     return get
 
 
-def _check_bubbles(report, closed_form) -> None:
-    """Per stage, the issue's criterion: the bubble the schedule causes is within 10% of the
-    theory from the stage's measured pass times. The closed forms assume free p2p; here a
+KIND = {"fwd": "F", "bwd": "B", "bwd_input": "B", "bwd_weight": "W"}  # truth op -> replay op
+
+
+def _truth_replay(report, out, step: int) -> list:
+    """Per stage, its bubble in a zero-latency replay (eager sends, as the analysis' own split)
+    of the trainer's schedule with every pass as long as the trainer timed it in ``step``
+    (truth/rank{r}.json): makespan - that stage's passes."""
+    import dataclasses
+
+    from pptrace.schedules.replay import PipelineTimes, simulate, stage_program
+
+    truths = {t["pp_rank"]: t for t in (orjson.loads(f.read_bytes()) for f in (out / "truth").glob("rank*.json"))}
+    schedule, v = report["run"]["schedule"], report["run"]["vpp"] or 1
+    overlap = orjson.loads((out / "run.json").read_bytes())["config"]["overlap_p2p_comm"]
+    programs = []
+    for pos in range(P):
+        own = {(KIND[op], mb, chunk): (end - start) / 1e9 for op, mb, chunk, start, end in truths[pos]["steps"][str(step)]}
+        programs.append([dataclasses.replace(o, duration=own[o.kind, o.mb, o.chunk]) if o.kind in ("F", "B", "W") else o
+                         for o in stage_program(schedule, P, pos, M, v, overlap)])
+    timeline = simulate(schedule, PipelineTimes.uniform(P, M, 0.0, 0.0), v, sends="eager", programs=programs)
+    return (timeline.makespan_s - timeline.stages["compute_s"]).tolist()
+
+
+def _check_bubbles(report, out, closed_form) -> None:
+    """Per stage, the issue's criterion: the bubble the schedule causes is within 10% of what
+    the schedule makes of the step's own passes. The closed forms assume free p2p; here a
     gloo hop costs ~0.5 ms (2 cores) and the critical path crosses ~2(m+p-1) of them, which
     every stage idles through too: the analysis reports that part of the bubble as
     ``bubble_latency_s``, by replaying the step in its measured order with free p2p (exact on
-    simulated schedules, tests/test_bubble_split.py), and the rest, ``bubble_schedule_s``,
-    is what the theory predicts. The whole bubble is at least the theory. The theory is the
-    report's ``theory_bubble_s`` (a slightly slower stage paces every round), checked against
-    the textbook closed form ``closed_form``.
+    simulated schedules, tests/test_bubble_split.py), and the rest, ``bubble_schedule_s``, is
+    held per step to the truth's free-p2p replay of the same step (the passes as the trainer
+    timed them: on a busy box they jitter by a few ms, which the 30 ms bubble of ZB-H1 feels),
+    within 10% + TOLERANCE_MS, and no more than the stage's bubble (time moving data is none).
+    The whole bubble is at least the theory. The theory is the report's ``theory_bubble_s``
+    (from the stage's median passes; a slightly slower stage paces every round), checked
+    against the textbook closed form ``closed_form``.
     """
+    replays = {step: _truth_replay(report, out, step) for step in report["run"]["steps"]}
+    misses = {}
     for stage in range(P):
         s = _stage(report, stage)
         theory = s["theory_bubble_s"]
         assert theory == pytest.approx(closed_form(s), rel=0.15)
-        schedule_part = float(np.median([x["bubble_schedule_s"] for x in s["steps"]]))
         bubble = float(np.median([x["bubble_s"] for x in s["steps"]]))
-        message = (f"stage {stage}: bubble {bubble * 1e3:.1f} ms, of which schedule {schedule_part * 1e3:.1f} ms "
-                   f"vs theory {theory * 1e3:.1f} ms (closed form {closed_form(s) * 1e3:.1f} ms), "
-                   f"latency {(bubble - schedule_part) * 1e3:.1f} ms")
-        assert bubble >= 0.95 * theory, message
-        assert schedule_part == pytest.approx(theory, rel=0.10), message
+        assert bubble >= 0.95 * theory, f"stage {stage}: bubble {bubble * 1e3:.1f} ms, theory {theory * 1e3:.1f} ms"
+        for x in s["steps"]:
+            truth = min(replays[x["step"]][stage], x["bubble_s"])
+            if abs(x["bubble_schedule_s"] - truth) > 0.10 * truth + TOLERANCE_MS / 1e3:
+                misses[stage, x["step"]] = (round(x["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1))
+    assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms): {misses}"
 
 
 def _stage(report, stage):
@@ -139,14 +163,14 @@ def test_1f1b_bubble_matches_theory(trainer_run):
     for stage in range(P):
         s = _stage(report, stage)
         assert s["theory_bubble_balanced_s"] == pytest.approx((P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]))
-    _check_bubbles(report, lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]))
+    _check_bubbles(report, trainer_run("1f1b")[2], lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]))
 
 
 def test_partition_sums_to_step_time(trainer_run):
     _, report, out = trainer_run("1f1b")
     metrics = {m["step"]: m["step_time_s"] for m in map(orjson.loads, (out / "metrics.jsonl").read_bytes().splitlines())}
     for rank in report["ranks"]:
-        assert [s["step"] for s in rank["steps"]] == report["run"]["steps"] == [1, 2, 3, 4, 5]
+        assert [s["step"] for s in rank["steps"]] == report["run"]["steps"] == PROFILED
         for step in rank["steps"]:
             assert sum(step["breakdown_s"].values()) == pytest.approx(step["time_s"], rel=1e-9)
             # the profiled step is the trainer's own step (rank 0 times it between prof.step()s)
@@ -164,7 +188,7 @@ def test_interleaved_bubble_matches_theory(trainer_run):
         # t_f is the whole stage (both chunks) per microbatch
         assert s["t_fwd_s"] == pytest.approx(sum(c["t_fwd_s"] for c in s["chunks"]), rel=0.25)
     _check_passes(report, out)
-    _check_bubbles(report, lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]) / 2)
+    _check_bubbles(report, out, lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]) / 2)
 
 
 def test_zb_h1_bubble_matches_theory(trainer_run):
@@ -173,11 +197,11 @@ def test_zb_h1_bubble_matches_theory(trainer_run):
     # Qi et al.: (p-1)(T_F + T_B - T_W) with T_B the input gradient alone (t_bwd_s holds B + W)
     # Delayed by latency, some W passes (placed to fill a latency-free bubble) hold up a late
     # message; the free-p2p replay puts them back, so that delay counts as latency.
-    _check_bubbles(report, lambda s: (P - 1) * (s["t_fwd_s"] + (s["t_bwd_s"] - s["t_wgrad_s"]) - s["t_wgrad_s"]))
+    _check_bubbles(report, out, lambda s: (P - 1) * (s["t_fwd_s"] + (s["t_bwd_s"] - s["t_wgrad_s"]) - s["t_wgrad_s"]))
 
 
 def test_delay_names_the_straggler_and_moves_bubble_to_the_others(trainer_run):
-    """Rank 1 (stage 1) sleeps 5 ms more per forward. Every microbatch round is then paced
+    """Rank 2 (stage 2) sleeps 5 ms more per forward. Every microbatch round is then paced
     by it, so the other stages wait m x 5 ms more, while its own extra time is compute.
     Compared within the run, so a loaded box slows both sides alike."""
     _, slow, out = trainer_run("delay")

@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa
 from megatron_run import load_truth, run  # noqa: E402
 from truth_checks import (assert_inside, check_dashboard, check_whatif_replay, compute_brackets,  # noqa: E402
                           idle_brackets, megatron_frames, megatron_frames_and_own_work, megatron_sleeps,
-                          megatron_frames_window, megatron_step_span, megatron_window)
+                          megatron_frames_window, megatron_step_span, megatron_window, TOLERANCE_MS)
 from pptrace.integrations import megatron as integration  # noqa: E402
 
 RUN = dict(world=2, microbatches=8, steps=3, profile_steps="1-2", fwd_ms=20, bwd_ms=40)
@@ -122,13 +122,56 @@ def test_bubble_and_p2p_lie_within_the_idle_time(measured):
                                 window=megatron_window, inner=megatron_frames_window), "bubble + p2p")
 
 
+def _truth_replay(m: Measured, step: int) -> list:
+    """Per stage (pipeline position), its bubble in a zero-latency replay of the order its
+    rank ran its passes in ``step``, each pass as long as the Megatron frame (forward_step /
+    backward_step) around its sleep: makespan - that stage's passes."""
+    import bisect
+    import dataclasses
+
+    from pptrace.schedules.replay import PipelineTimes, action_programs, simulate
+
+    by_pos = sorted(m.truth.values(), key=lambda t: t["pp_rank"])
+    p, v = len(by_pos), by_pos[0]["vpp"]
+    placement = [g % p for g in range(p * v)]  # Megatron's virtual stage g runs on pp rank g % p
+    orders, own = [], {}
+    for t in by_pos:
+        frames = sorted(megatron_frames(t, step))
+        starts = [a for a, _ in frames]
+        order = []
+        for q in sorted(_passes(t, step), key=lambda q: q["start_ns"]):
+            op = "F" if q["op"] == "fwd" else "B"
+            order.append((op, q["stage"], q["mb"]))
+            a, b = frames[bisect.bisect_right(starts, q["start_ns"]) - 1]
+            own[op, q["stage"], q["mb"]] = (b - a) / 1e9
+        orders.append(order)
+    programs = [[dataclasses.replace(op, duration=own[op.kind, op.chunk * p + pos, op.mb])
+                 if op.kind in ("F", "B") else op for op in program]
+                for pos, program in enumerate(action_programs(orders, placement))]
+    timeline = simulate(m.schedule, PipelineTimes.uniform(p, by_pos[0]["microbatches"], 0.0, 0.0), v,
+                        sends="eager", programs=programs)
+    return (timeline.makespan_s - timeline.stages["compute_s"]).tolist()
+
+
 @pytest.mark.slow
-def test_schedule_bubble_matches_theory(measured):
-    """The schedule part of each stage's bubble (the latency part split off) against the theory
-    of the run's own schedule, from its measured pass times."""
-    stages = measured.report["pipeline"]["stages"]
-    ratios = {s["stage"]: round(s["bubble_schedule_s"] / s["theory_bubble_s"], 3) for s in stages}
-    assert all(abs(r - 1) < 0.10 for r in ratios.values()), ratios
+def test_schedule_bubble_matches_a_replay_of_the_executed_order(measured):
+    """The schedule part of each stage's bubble (the latency part split off) per step against
+    the truth's zero-latency replay of that step: the order each rank ran, its passes as
+    Megatron's frames took them. Within 10% (+ TOLERANCE_MS); no more than the stage's
+    bubble either way, since the split never books the time a stage spent moving data (a
+    peer stalled mid-transfer) as bubble. The closed-form theory from the stage medians is
+    printed beside it: on a busy box a median misses the step's own passes by enough to put
+    it 10% off (m (T_max - T_stage) magnifies a median's error m times)."""
+    misses, theory = {}, {}
+    for stage in measured.report["pipeline"]["stages"]:
+        i = stage["stage"]
+        for entry in stage["steps"]:
+            truth = min(_truth_replay(measured, entry["step"])[i], entry["bubble_s"])
+            if abs(entry["bubble_schedule_s"] - truth) > 0.10 * truth + TOLERANCE_MS / 1e3:
+                misses[i, entry["step"]] = (round(entry["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1))
+        theory[i] = round(stage["bubble_schedule_s"] / stage["theory_bubble_s"], 3)
+    assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms): {misses}"
+    print(f"{measured.schedule}: schedule part / theory {theory}")
 
 
 @pytest.mark.slow

@@ -175,3 +175,28 @@ def test_posting_an_exchange_waited_later_costs_post_s():
                 checked += 1
             prev_end, after_post = row.end_s, False
     assert checked > 8
+
+
+def _steps_kept(walls: dict) -> tuple[list, list]:
+    """The steps what-if measures a run from, given each step's wall time (ms, on 2 ranks)."""
+    from types import SimpleNamespace
+
+    from pptrace.whatif.predict import _typical_steps
+
+    run = SimpleNamespace(step_windows={(rank, step): (0, int(ms * 1e6)) for step, ms in walls.items()
+                                        for rank in (0, 1)})
+    notes: list = []
+    return sorted(_typical_steps(run, notes).index), notes
+
+
+def test_a_stalled_step_is_left_out_even_of_two():
+    """A stall only lengthens a step. Of two steps, both lie half a stall from their median
+    (a long stall dropped both, and what-if had no step to replay): the shorter one is the
+    reference. Of three or more, the median."""
+    kept, notes = _steps_kept({1: 3000, 2: 500})
+    assert kept == [2] and notes == ["step 1 left out: 3000.0 ms against the shorter step of 500.0 ms"]
+    assert _steps_kept({1: 520, 2: 500})[0] == [1, 2]
+    kept, notes = _steps_kept({1: 500, 2: 510, 3: 2000, 4: 505})
+    assert kept == [1, 2, 4] and len(notes) == 1
+    # no two alike: the shortest
+    assert _steps_kept({1: 100, 2: 400, 3: 1600, 4: 6400})[0] == [1]

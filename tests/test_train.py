@@ -20,10 +20,9 @@ from pptrace.schedules.tables import schedule_table
 from instrumented_model.train import main
 from instrumented_model.train_config import config_from_args
 from pptrace.naming import parse_name
+from sleep_runs import PROFILED, STEPS
 
 REPO = Path(__file__).resolve().parents[1]
-SLEEP = ["--compute", "sleep", "--pp", "4", "--microbatches", "8", "--layers", "8",
-         "--steps", "6", "--profile-steps", "1-2", "--fwd-ms", "10"]
 TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
         "--vocab-size", "64", "--steps", "3", "--profile-steps", "0-0"]
 
@@ -66,19 +65,12 @@ def _traced_order(ranges) -> list[tuple[str, int, int]]:
 
 
 @pytest.fixture(scope="module")
-def sleep_runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("sleep")
-    return {
-        "1f1b": _train(base / "1f1b", [*SLEEP, "--bwd-ms", "20"]),
-        # Megatron's blocking four-way exchanges (--no-overlap-p2p-communication)
-        "interleaved": _train(base / "interleaved", [*SLEEP, "--bwd-ms", "20", "--schedule", "interleaved", "--vpp", "2",
-                                                     "--no-overlap-p2p-comm"]),
-        # Megatron's default for interleaved, overlap_p2p_comm: same passes and messages,
-        # exchanges split and waited late.
-        "interleaved-overlap": _train(base / "interleaved-overlap", [*SLEEP, "--bwd-ms", "20", "--schedule",
-                                                                     "interleaved", "--vpp", "2"]),
-        "zb-h1": _train(base / "zb", [*SLEEP, "--bwd-ms", "10", "--wgrad-ms", "10", "--schedule", "zb-h1"]),
-    }
+def sleep_runs(sleep_run):
+    """schedule -> run directory: the suite's shared sleep-mode runs (tests/sleep_runs.py)."""
+    return {"1f1b": sleep_run("1f1b"), "interleaved": sleep_run("interleaved-no-overlap"),
+            # Megatron's default for interleaved, overlap_p2p_comm: same passes and messages,
+            # exchanges split and waited late.
+            "interleaved-overlap": sleep_run("interleaved"), "zb-h1": sleep_run("zb-h1")}
 
 
 SCHEDULES = ["1f1b", "interleaved", "interleaved-overlap", "zb-h1"]
@@ -100,7 +92,7 @@ def test_every_rank_traces_contract_ranges(sleep_runs, schedule):
     interleaved = schedule.startswith("interleaved")
     for rank in range(4):
         steps = _ranges(run, rank)
-        assert sorted(steps) == [1, 2]
+        assert sorted(steps) == PROFILED
         for ranges in steps.values():
             names = Counter(f"{n.kind}:{n.op}" for _, _, n in ranges)
             if schedule == "zb-h1":
@@ -126,7 +118,7 @@ def test_every_rank_traces_contract_ranges(sleep_runs, schedule):
 def test_every_send_has_exactly_one_recv(sleep_runs, schedule):
     run = sleep_runs[schedule]
     per_rank = {rank: _ranges(run, rank) for rank in range(4)}
-    for step in (1, 2):
+    for step in PROFILED:
         sends, recvs = Counter(), Counter()
         for rank, steps in per_rank.items():
             for _, _, n in steps[step]:
@@ -266,9 +258,17 @@ def test_run_directory_contents(sleep_runs):
     assert info["config"]["schedule"] == "1f1b" and info["config"]["compute"] == "sleep"
     assert info["layout"] == {"tp": 1, "cp": 1, "pp": 4, "dp": 1, "order": "tp-cp-dp-pp"}
     rows = _metrics(run)
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(r["step_time_s"] > 0 for r in rows)
     trace = json.load(gzip.open(run / "traces" / "rank3.json.gz"))
     block = trace["pptrace"]
     assert block["schedule"] == "1f1b" and block["microbatches"] == 8 and block["coords"]["pp"] == 3
-    assert block["compute"] == "sleep" and block["fwd_ms"] == 10.0 and block["steps"] == [1, 2]
+    assert block["compute"] == "sleep" and block["fwd_ms"] == 10.0 and block["steps"] == PROFILED
+    # sleep mode's known timeline: every pass of every step, its span around its sleeps
+    for rank in range(4):
+        truth = json.loads((run / "truth" / f"rank{rank}.json").read_text())
+        assert truth["pp_rank"] == rank and truth["sleeps_s"] == {"fwd": 0.010, "bwd_input": 0.010, "bwd_weight": 0.010}
+        assert sorted(map(int, truth["steps"])) == list(range(STEPS))
+        for passes in truth["steps"].values():
+            assert Counter(op for op, *_ in passes) == {"fwd": 8, "bwd": 8}
+            assert all(end - start >= (0.010 if op == "fwd" else 0.020) * 1e9 for op, _, _, start, end in passes)

@@ -7,10 +7,6 @@ ZB-H1 has W's to defer). Theory for it: (m+p-1)(t_f+t_b) = 330 ms plus p2p laten
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -19,34 +15,19 @@ from pptrace.ingest.run import load_run
 from pptrace.schedules.replay import stage_program
 from pptrace.export.perfetto import write_simulated_trace
 from pptrace.whatif.predict import measure, whatif
+from sleep_runs import DELAYED_RANK, M, P
+from truth_checks import check_whatif_replay
 
 pytestmark = pytest.mark.slow
 
-P, M = 4, 8
-COMMON = ["--pp", str(P), "--compute", "sleep", "--fwd-ms", "10", "--bwd-ms", "10", "--wgrad-ms", "10",
-          "--steps", "10", "--profile-steps", "2-9"]
-RUNS = {
-    "base": ["--schedule", "1f1b", "--microbatches", str(M)],
-    "interleaved": ["--schedule", "interleaved", "--vpp", "2", "--layers", "8", "--microbatches", str(M)],
-    "zb-h1": ["--schedule", "zb-h1", "--microbatches", str(M)],
-    "m16": ["--schedule", "1f1b", "--microbatches", str(2 * M)],
-    "delay": ["--schedule", "1f1b", "--microbatches", str(M), "--delay", "2:fwd:5"],
-}
+#: this file's names for the suite's shared runs (tests/sleep_runs.py)
+RUNS = {"base": "1f1b", "interleaved": "interleaved", "zb-h1": "zb-h1", "m16": "m16", "delay": "delay"}
 
 
 @pytest.fixture(scope="session")
-def trainer_runs(tmp_path_factory):
-    """name -> loaded Run; the five runs go one after another so none perturbs another's timing."""
-    root = tmp_path_factory.mktemp("whatif")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    runs = {}
-    for name, args in RUNS.items():
-        out = root / name
-        done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *COMMON, *args, "--out", str(out)],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"trainer {name} failed: {done.stderr[-2000:]}"
-        runs[name] = load_run(out, progress=False)
-    return runs
+def trainer_runs(sleep_run):
+    """name -> loaded Run of the shared sleep-mode runs."""
+    return {name: load_run(sleep_run(shared), progress=False) for name, shared in RUNS.items()}
 
 
 def _close(predicted: float, actual: float, tolerance: float) -> bool:
@@ -67,12 +48,12 @@ def _prediction_tolerance(actual: float, theory: float) -> float:
     return 0.05 + max(actual - theory, 0.0) / actual
 
 
-def test_replaying_the_measured_schedule_reproduces_the_step(trainer_runs):
-    errors = {}
-    for name, run in trainer_runs.items():
-        result = whatif(run)
-        errors[name] = result["replay"]["error_fraction"]
-    assert all(abs(e) <= 0.05 for e in errors.values()), errors
+@pytest.mark.parametrize("name", list(RUNS))
+def test_replaying_the_measured_schedule_reproduces_the_step(trainer_runs, name):
+    """The bar every harness's replay is held to (truth_checks.check_whatif_replay). The
+    trainer's interleaved runs (overlap_p2p_comm) replay 4-5% short on this 2-core box: the
+    latency of an exchange waited after a pass is not observed, only that of blocking ones."""
+    check_whatif_replay(trainer_runs[name], trainer_runs[name].schedule)
 
 
 @pytest.mark.parametrize("name,change", [
@@ -102,7 +83,7 @@ def test_predictions_separate_the_schedules(trainer_runs):
 
 def test_no_straggler_predicts_the_run_without_the_delay(trainer_runs):
     result = whatif(trainer_runs["delay"], no_straggler=True)
-    assert result["predicted"]["straggler_stage"] == 2
+    assert result["predicted"]["straggler_stage"] == DELAYED_RANK
     actual = measure(trainer_runs["base"]).step_time_s
     tolerance = _prediction_tolerance(actual, SLEEP_THEORY_S["base"])
     assert _close(result["predicted"]["step_time_s"], actual, tolerance), (result["predicted"]["step_time_s"], actual)
@@ -170,7 +151,8 @@ def test_critical_path_runs_through_the_straggler(trainer_runs):
     path = critical_path(trainer_runs["delay"], trainer_runs["delay"].steps[-1])
     fwd = path.by_rank_phase[path.by_rank_phase["phase"] == "compute:fwd"].set_index("rank")["time_s"]
     # the delayed rank's forwards (15 ms each) lie on the path, far more than any other's
-    assert fwd.idxmax() == 2 and fwd[2] >= 0.75 * M * 0.015 and fwd[2] > 3 * fwd.drop(2).max()
+    late = fwd[DELAYED_RANK]
+    assert fwd.idxmax() == DELAYED_RANK and late >= 0.75 * M * 0.015 and late > 3 * fwd.drop(DELAYED_RANK).max()
 
 
 def test_simulated_trace_is_a_loadable_chrome_trace(trainer_runs, tmp_path):
