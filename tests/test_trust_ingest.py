@@ -160,6 +160,61 @@ def test_a_run_killed_while_writing_the_cache_leaves_nothing_taken_for_an_entry(
     assert checksums(run_dir) == before
 
 
+def _tree(root) -> dict:
+    """relative path -> (sha256, mtime) of every file under ``root``, links not followed."""
+    import hashlib
+
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def test_a_symlinked_cache_directory_is_never_written_nor_swept(tmp_path):
+    """Issue 25 item 2: with ``traces/.pptrace-cache`` a symlink to another directory, pptrace
+    wrote its entries there and its sweep deleted that directory's old ``*.tmp`` and
+    ``*.parquet`` files. A cache directory pptrace did not create is not used (the entries go
+    to the user cache), and even in its own only the temporary names it gives are swept."""
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2)
+    expected = _fresh_numbers(run_dir, tmp_path)
+    other = tmp_path / "someone-elses"
+    other.mkdir()
+    hour_ago = time.time() - 3600
+    for name in ("notes.tmp", ".rank0.json.gz.arrow.1.abcdef01.tmp", "rank0.json.gz.parquet", "data.parquet"):
+        (other / name).write_text(name)
+        os.utime(other / name, (hour_ago, hour_ago))
+    (run_dir / "traces" / store.CACHE_DIRNAME).symlink_to(other, target_is_directory=True)
+    before, theirs = checksums(run_dir), _tree(other)
+    user_cache = tmp_path / "user-cache"
+    for _ in range(2):  # cold, then from the cache
+        r = pptrace("analyze", run_dir, "--json", env={"XDG_CACHE_HOME": str(user_cache)})
+        no_traceback(r)
+        assert r.returncode == 0 and stderr_lines(r) == [], r.stderr[-2000:]
+        assert _numbers(json.loads(r.stdout)) == expected
+    assert _tree(other) == theirs and checksums(run_dir) == before
+    assert sorted(p.name for p in user_cache.rglob("*.arrow")) == ["rank0.json.gz.arrow", "rank1.json.gz.arrow"]
+
+
+def test_a_symlinked_trace_is_cached_beside_its_link_and_only_pptrace_temporaries_are_swept(tmp_path):
+    """The cache of a symlinked trace goes where the link is (the run directory), not beside
+    its target (a write outside the run); in pptrace's own cache directory an old file that
+    pptrace did not name stays."""
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2)
+    expected = _fresh_numbers(run_dir, tmp_path)
+    traces, elsewhere = run_dir / "traces", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(traces / "rank1.json.gz", elsewhere / "rank1.json.gz")
+    (traces / "rank1.json.gz").symlink_to(elsewhere / "rank1.json.gz")
+    cache_dir = traces / store.CACHE_DIRNAME
+    cache_dir.mkdir()
+    hour_ago = time.time() - 3600
+    for name in ("mine.tmp", ".rank9.json.gz.arrow.77.0123abcd.tmp"):
+        (cache_dir / name).write_text(name)
+        os.utime(cache_dir / name, (hour_ago, hour_ago))
+    theirs = _tree(elsewhere)
+    assert _numbers(_report(run_dir)) == expected
+    assert _tree(elsewhere) == theirs and not (elsewhere / store.CACHE_DIRNAME).exists()
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["mine.tmp", "rank0.json.gz.arrow", "rank1.json.gz.arrow"]
+
+
 @pytest.mark.parametrize("umask, trace_mode, entry_mode", [(0o022, 0o644, 0o644), (0o022, 0o640, 0o640),
                                                             (0o002, 0o664, 0o664), (0o077, 0o644, 0o600)])
 def test_cache_entries_are_readable_like_the_traces_within_the_umask(tmp_path, umask, trace_mode, entry_mode):

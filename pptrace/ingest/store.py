@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import stat
 import time
@@ -41,6 +42,8 @@ _META_KEY = b"pptrace.ingest.store"
 #: Bytes hashed at each end of a trace file: a look-up reads these two only.
 _PROBE_BYTES = 64 << 10
 _TMP_SUFFIX = ".tmp"
+#: The names _create_tmp gives: ``.<trace>.arrow.<pid>.<8 hex digits>.tmp``.
+_TMP_NAME = re.compile(r"\..+\.arrow\.\d+\.[0-9a-f]{8}\.tmp")
 #: Writing one entry takes seconds; a temporary file this old is a killed run's leftover.
 _STALE_TMP_S = 600
 
@@ -84,10 +87,15 @@ def _writable(directory: Path) -> bool:
 
 
 def cache_path(trace_path) -> Path:
-    """Where the cache entry of ``trace_path`` lives (the directory may not exist yet)."""
-    trace_path = Path(trace_path).resolve()
+    """Where the cache entry of ``trace_path`` lives (the directory may not exist yet): in
+    the traces directory the user named, beside a symlinked trace's link and never its
+    target's (that would write outside the run); in the user cache when that directory's
+    ``.pptrace-cache`` is not pptrace's to use (read-only, or a symlink: pptrace never
+    follows a cache directory it did not create, nor writes or sweeps where one points)."""
+    trace_path = Path(os.path.abspath(trace_path))
     local = trace_path.parent / CACHE_DIRNAME
-    if (local.is_dir() and _writable(local)) or (not local.exists() and _writable(trace_path.parent)):
+    if not local.is_symlink() and ((local.is_dir() and _writable(local))
+                                   or (not local.exists() and _writable(trace_path.parent))):
         return local / f"{trace_path.name}{_SUFFIX}"
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pptrace"
     digest = hashlib.sha1(str(trace_path.parent).encode()).hexdigest()[:16]
@@ -136,16 +144,19 @@ def read(trace_path):
 
 
 def remove_stale_tmp(directory: Path) -> None:
-    """Remove the temporary files that killed runs left in a cache directory (any ``*.tmp``
-    older than _STALE_TMP_S: younger ones may be a concurrent run's write in progress)."""
+    """Remove the temporary files that killed runs left in a cache directory: only names
+    :func:`_create_tmp` gives (a file pptrace did not name is never deleted), and only those
+    older than _STALE_TMP_S (younger ones may be a concurrent run's write in progress)."""
     cutoff = time.time() - _STALE_TMP_S
     try:
+        if Path(directory).is_symlink():
+            return
         entries = list(os.scandir(directory))
     except OSError:
         return
     for entry in entries:
         try:
-            if entry.name.endswith(_TMP_SUFFIX) and entry.is_file(follow_symlinks=False) \
+            if _TMP_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False) \
                     and entry.stat(follow_symlinks=False).st_mtime < cutoff:
                 os.unlink(entry.path)
         except OSError:  # gone meanwhile, or another user's in a directory we may not clean
