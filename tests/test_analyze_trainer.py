@@ -81,6 +81,22 @@ def _truth_replay(report, out, step: int) -> list:
     return (timeline.makespan_s - timeline.stages["compute_s"]).tolist()
 
 
+def _general_theory(report) -> tuple[list, float]:
+    """(per stage the theory's bubble from the report's own per-stage pass times, by the
+    closed forms of analyzers/bubble.py's docstring: a step lasts m rounds of the slowest
+    stage plus one fill/drain of the others, step - m T_stage with T = t_f + t_b; the most
+    that stages unequal by T_max - T_min can move a stage's theory off the textbook form:
+    (m + p - 1)(T_max - T_min))."""
+    stages = [_stage(report, k) for k in range(P)]
+    schedule, v = report["run"]["schedule"], report["run"]["vpp"] or 1
+    t = np.array([st["t_fwd_s"] + st["t_bwd_s"] for st in stages])
+    w = np.array([st["t_wgrad_s"] for st in stages])
+    short = t - 2 * w if schedule == "zb-h1" else t
+    fill = (short.sum() - short.max()) / (v if schedule == "interleaved" else 1)
+    spread = max(float(t.max() - t.min()), float(short.max() - short.min()))
+    return [float(M * t.max() + fill - M * tk) for tk in t], (M + P - 1) * spread
+
+
 def _check_bubbles(report, out, closed_form) -> None:
     """Per stage, the issue's criterion: the bubble the schedule causes is within 10% of what
     the schedule makes of the step's own passes. The closed forms assume free p2p; here a
@@ -91,16 +107,20 @@ def _check_bubbles(report, out, closed_form) -> None:
     held per step to the truth's free-p2p replay of the same step (the passes as the trainer
     timed them: on a busy box they jitter by a few ms, which the 30 ms bubble of ZB-H1 feels),
     within 10% + TOLERANCE_MS, and no more than the stage's bubble (time moving data is none).
-    The whole bubble is at least the theory. The theory is the report's ``theory_bubble_s``
-    (from the stage's median passes; a slightly slower stage paces every round), checked
-    against the textbook closed form ``closed_form``.
+    The whole bubble is at least the theory. The theory is the report's ``theory_bubble_s``:
+    the closed form of all stages' median passes (a slightly slower stage paces every round,
+    m T_max: on a busy box one stage 1.5 ms slower puts interleaved's 48 ms 30% higher), at
+    least the textbook ``closed_form`` of the stage's own times.
     """
     replays = {step: _truth_replay(report, out, step) for step in report["run"]["steps"]}
     misses = {}
+    general, imbalance = _general_theory(report)
     for stage in range(P):
         s = _stage(report, stage)
         theory = s["theory_bubble_s"]
-        assert theory == pytest.approx(closed_form(s), rel=0.15)
+        # the rounds are paced by the slowest stage; equal stages give the textbook form
+        assert theory == pytest.approx(general[stage], abs=1e-6)
+        assert abs(theory - closed_form(s)) <= imbalance + 1e-6, (stage, theory, closed_form(s), imbalance)
         bubble = float(np.median([x["bubble_s"] for x in s["steps"]]))
         assert bubble >= 0.95 * theory, f"stage {stage}: bubble {bubble * 1e3:.1f} ms, theory {theory * 1e3:.1f} ms"
         for x in s["steps"]:

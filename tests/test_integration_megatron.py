@@ -123,11 +123,14 @@ def test_bubble_and_p2p_lie_within_the_idle_time(measured):
 
 
 def _truth_replay(m: Measured, step: int) -> list:
-    """Per stage (pipeline position), its bubble in a zero-latency replay of the order its
+    """(per stage (pipeline position) its bubble in a zero-latency replay of the order its
     rank ran its passes in ``step``, each pass as long as the Megatron frame (forward_step /
-    backward_step) around its sleep: makespan - that stage's passes."""
+    backward_step) around its sleep: makespan - that stage's passes; the largest sum over a
+    stage's passes of |frame - pptrace's range|)."""
     import bisect
     import dataclasses
+
+    import pandas as pd
 
     from pptrace.schedules.replay import PipelineTimes, action_programs, simulate
 
@@ -143,35 +146,48 @@ def _truth_replay(m: Measured, step: int) -> list:
             op = "F" if q["op"] == "fwd" else "B"
             order.append((op, q["stage"], q["mb"]))
             a, b = frames[bisect.bisect_right(starts, q["start_ns"]) - 1]
-            own[op, q["stage"], q["mb"]] = (b - a) / 1e9
+            own[op, q["stage"], q["mb"]] = (b - a) / 1e9, (t["rank"], q["op"], q["mb"], q["chunk"])
         orders.append(order)
-    programs = [[dataclasses.replace(op, duration=own[op.kind, op.chunk * p + pos, op.mb])
+    programs = [[dataclasses.replace(op, duration=own[op.kind, op.chunk * p + pos, op.mb][0])
                  if op.kind in ("F", "B") else op for op in program]
                 for pos, program in enumerate(action_programs(orders, placement))]
     timeline = simulate(m.schedule, PipelineTimes.uniform(p, by_pos[0]["microbatches"], 0.0, 0.0), v,
                         sends="eager", programs=programs)
-    return (timeline.makespan_s - timeline.stages["compute_s"]).tolist()
+    # how far the frames lie from pptrace's ranges of the same passes (the integration's own
+    # wrapper sits between the two, slower on a busy box): the most its replay can move
+    ev = m.run.events
+    compute = ev[(ev["category"] == "compute") & (ev["step"] == step)]
+    traced = {(int(r), str(o), int(b), 0 if pd.isna(c) else int(c)): d / 1e9
+              for r, o, b, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"], compute["dur_ns"])}
+    gaps = [sum(abs(seconds - traced[key]) for seconds, key in own.values() if key[0] == t["rank"] and key in traced)
+            for t in by_pos]
+    return (timeline.makespan_s - timeline.stages["compute_s"]).tolist(), max(gaps)
 
 
 @pytest.mark.slow
 def test_schedule_bubble_matches_a_replay_of_the_executed_order(measured):
     """The schedule part of each stage's bubble (the latency part split off) per step against
     the truth's zero-latency replay of that step: the order each rank ran, its passes as
-    Megatron's frames took them. Within 10% (+ TOLERANCE_MS); no more than the stage's
+    Megatron's frames took them. Within 10% (+ TOLERANCE_MS), widened by twice the gap between
+    the frames and pptrace's ranges of the same passes; no more than the stage's
     bubble either way, since the split never books the time a stage spent moving data (a
     peer stalled mid-transfer) as bubble. The closed-form theory from the stage medians is
     printed beside it: on a busy box a median misses the step's own passes by enough to put
     it 10% off (m (T_max - T_stage) magnifies a median's error m times)."""
     misses, theory = {}, {}
+    replays = {step: _truth_replay(measured, step) for step in PROFILED}
     for stage in measured.report["pipeline"]["stages"]:
         i = stage["stage"]
         for entry in stage["steps"]:
-            truth = min(_truth_replay(measured, entry["step"])[i], entry["bubble_s"])
-            if abs(entry["bubble_schedule_s"] - truth) > 0.10 * truth + TOLERANCE_MS / 1e3:
-                misses[i, entry["step"]] = (round(entry["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1))
+            replay, gap = replays[entry["step"]]
+            truth = min(replay[i], entry["bubble_s"])
+            if abs(entry["bubble_schedule_s"] - truth) > 0.10 * truth + 2 * gap + TOLERANCE_MS / 1e3:
+                misses[i, entry["step"]] = (round(entry["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1),
+                                            round(gap * 1e3, 2))
         theory[i] = round(stage["bubble_schedule_s"] / stage["theory_bubble_s"], 3)
-    assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms): {misses}"
-    print(f"{measured.schedule}: schedule part / theory {theory}")
+    assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms, frame gap ms): {misses}"
+    print(f"{measured.schedule}: schedule part / theory {theory}; frame gaps ms "
+          f"{[round(g * 1e3, 2) for _, g in replays.values()]}")
 
 
 @pytest.mark.slow

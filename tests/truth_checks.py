@@ -115,8 +115,9 @@ def megatron_frames(truth: dict, step: int) -> list:
 
 
 def megatron_frames_to_posts(truth: dict, step: int) -> list:
-    """Each frame stretched to the end of the p2p call before it and the start of the one
-    after it (Megatron's ``_communicate``): the most a pass inferred between posts can span."""
+    """Each frame stretched to the end of the p2p span before it and the start of the one
+    after it (a ``_communicate`` call, or a wait on a handle it returned): the most a pass
+    inferred between posts can span."""
     calls = sorted((f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] == "p2p")
     out = []
     for start, end in megatron_frames(truth, step):

@@ -32,33 +32,17 @@ from .store import lookup, probe_of
 
 #: Separators between events, most specific first: Kineto's indented output, then compact.
 _SEPARATORS = (b"\n  },\n  {", b"}, {", b"},{")
-
-
 #: Slices of ~256 KB stay in the CPU caches while they are decoded: 1.4x faster than 4 MB.
 _CHUNK_BYTES = 256 << 10
-
-
 _HEADER_PEEK = 1 << 20
-
-
 _SLICE_JUNK = b", \n\t\r"  # around the events of a slice
-
-
 _EVENTS_KEY = b'"traceEvents"'
-
-
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
-
-
 _BOM = b"\xef\xbb\xbf"
-
-
 #: Deeper values than this are replaced by null before decoding: real traces nest a few
 #: levels (Input Dims is a list of lists), and the decoders recurse per level (msgspec
 #: stops at the interpreter's limit; orjson 3.8 does not stop and overflows the C stack).
 _MAX_DEPTH = 64
-
-
 _SKIP_DECODER = msgspec.json.Decoder(msgspec.Raw)
 
 

@@ -10,14 +10,8 @@ from pathlib import Path
 from ..errors import TraceError
 
 GZIP_MAGIC = b"\x1f\x8b"
-
-
 GZIP_MIN_BYTES = 18  # the 10-byte header and the 8-byte trailer
-
-
 _TRACE_SUFFIXES = (".json", ".json.gz")
-
-
 _FILE_KINDS = (
     (stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a named pipe (FIFO)"),
     (stat.S_ISSOCK, "is a socket"), (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),

@@ -92,14 +92,10 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
 # -------------------------------------------------------------------------------------------
 # Below this much trace data a process pool costs more (fork, pickling) than it saves.
 _POOL_MIN_BYTES = 8 << 20
-
-
 #: While it parses, a worker holds the trace's decompressed bytes, one slice's objects and
 #: the rank's table before folding: at most this many times the (decompressed) trace, on
 #: top of what it shares with the parent (measured on bench_analyze's 8-rank trainer run).
 _WORKER_BYTES_PER_TRACE_BYTE = 1.7
-
-
 #: What the analysis adds to the parent once the run's table is assembled, per byte of
 #: (decompressed) trace: the compact table and the analyses' working arrays (same run).
 _ANALYSIS_BYTES_PER_TRACE_BYTE = 0.25
