@@ -61,11 +61,14 @@ def trainer_run(tmp_path_factory, sleep_run):
 KIND = {"fwd": "F", "bwd": "B", "bwd_input": "B", "bwd_weight": "W"}  # truth op -> replay op
 
 
-def _truth_replay(report, out, step: int) -> list:
-    """Per stage, its bubble in a zero-latency replay (eager sends, as the analysis' own split)
+def _truth_replay(run, report, out, step: int) -> tuple[list, float]:
+    """(per stage its bubble in a zero-latency replay (eager sends, as the analysis' own split)
     of the trainer's schedule with every pass as long as the trainer timed it in ``step``
-    (truth/rank{r}.json): makespan - that stage's passes."""
+    (truth/rank{r}.json): makespan - that stage's passes; the largest sum over a stage's
+    passes of |the trainer's span - pptrace's range|, the most the replay can move by)."""
     import dataclasses
+
+    import pandas as pd
 
     from pptrace.schedules.replay import PipelineTimes, simulate, stage_program
 
@@ -78,7 +81,13 @@ def _truth_replay(report, out, step: int) -> list:
         programs.append([dataclasses.replace(o, duration=own[o.kind, o.mb, o.chunk]) if o.kind in ("F", "B", "W") else o
                          for o in stage_program(schedule, P, pos, M, v, overlap)])
     timeline = simulate(schedule, PipelineTimes.uniform(P, M, 0.0, 0.0), v, sends="eager", programs=programs)
-    return (timeline.makespan_s - timeline.stages["compute_s"]).tolist()
+    ev = run.events
+    compute = ev[(ev["category"] == "compute") & (ev["step"] == step) & ev["op"].isin(list(KIND)) & ev["mb"].notna()]
+    traced = {(int(r), str(o), int(b), 0 if pd.isna(c) else int(c)): d / 1e9
+              for r, o, b, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"], compute["dur_ns"])}
+    gaps = [sum(abs((end - start) / 1e9 - traced[key]) for op, mb, chunk, start, end in t["steps"][str(step)]
+                if (key := (t["rank"], op, mb, chunk)) in traced) for t in truths.values()]
+    return (timeline.makespan_s - timeline.stages["compute_s"]).tolist(), max(gaps)
 
 
 def _general_theory(report) -> tuple[list, float]:
@@ -97,7 +106,7 @@ def _general_theory(report) -> tuple[list, float]:
     return [float(M * t.max() + fill - M * tk) for tk in t], (M + P - 1) * spread
 
 
-def _check_bubbles(report, out, closed_form) -> None:
+def _check_bubbles(run, report, out, closed_form) -> None:
     """Per stage, the issue's criterion: the bubble the schedule causes is within 10% of what
     the schedule makes of the step's own passes. The closed forms assume free p2p; here a
     gloo hop costs ~0.5 ms (2 cores) and the critical path crosses ~2(m+p-1) of them, which
@@ -106,13 +115,15 @@ def _check_bubbles(report, out, closed_form) -> None:
     simulated schedules, tests/test_bubble_split.py), and the rest, ``bubble_schedule_s``, is
     held per step to the truth's free-p2p replay of the same step (the passes as the trainer
     timed them: on a busy box they jitter by a few ms, which the 30 ms bubble of ZB-H1 feels),
-    within 10% + TOLERANCE_MS, and no more than the stage's bubble (time moving data is none).
+    within 10% + TOLERANCE_MS, widened by twice the gap between the trainer's spans and
+    pptrace's ranges of the same passes, and no more than the stage's bubble (time moving
+    data is none).
     The whole bubble is at least the theory. The theory is the report's ``theory_bubble_s``:
     the closed form of all stages' median passes (a slightly slower stage paces every round,
     m T_max: on a busy box one stage 1.5 ms slower puts interleaved's 48 ms 30% higher), at
     least the textbook ``closed_form`` of the stage's own times.
     """
-    replays = {step: _truth_replay(report, out, step) for step in report["run"]["steps"]}
+    replays = {step: _truth_replay(run, report, out, step) for step in report["run"]["steps"]}
     misses = {}
     general, imbalance = _general_theory(report)
     for stage in range(P):
@@ -124,10 +135,12 @@ def _check_bubbles(report, out, closed_form) -> None:
         bubble = float(np.median([x["bubble_s"] for x in s["steps"]]))
         assert bubble >= 0.95 * theory, f"stage {stage}: bubble {bubble * 1e3:.1f} ms, theory {theory * 1e3:.1f} ms"
         for x in s["steps"]:
-            truth = min(replays[x["step"]][stage], x["bubble_s"])
-            if abs(x["bubble_schedule_s"] - truth) > 0.10 * truth + TOLERANCE_MS / 1e3:
-                misses[stage, x["step"]] = (round(x["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1))
-    assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms): {misses}"
+            replay, gap = replays[x["step"]]
+            truth = min(replay[stage], x["bubble_s"])
+            if abs(x["bubble_schedule_s"] - truth) > 0.10 * truth + 2 * gap + TOLERANCE_MS / 1e3:
+                misses[stage, x["step"]] = (round(x["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1),
+                                            round(gap * 1e3, 2))
+    assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms, span gap ms): {misses}"
 
 
 def _stage(report, stage):
@@ -183,7 +196,7 @@ def test_1f1b_bubble_matches_theory(trainer_run):
     for stage in range(P):
         s = _stage(report, stage)
         assert s["theory_bubble_balanced_s"] == pytest.approx((P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]))
-    _check_bubbles(report, trainer_run("1f1b")[2], lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]))
+    _check_bubbles(run, report, trainer_run("1f1b")[2], lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]))
 
 
 def test_partition_sums_to_step_time(trainer_run):
@@ -208,7 +221,7 @@ def test_interleaved_bubble_matches_theory(trainer_run):
         # t_f is the whole stage (both chunks) per microbatch
         assert s["t_fwd_s"] == pytest.approx(sum(c["t_fwd_s"] for c in s["chunks"]), rel=0.25)
     _check_passes(report, out)
-    _check_bubbles(report, out, lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]) / 2)
+    _check_bubbles(run, report, out, lambda s: (P - 1) * (s["t_fwd_s"] + s["t_bwd_s"]) / 2)
 
 
 def test_zb_h1_bubble_matches_theory(trainer_run):
@@ -217,7 +230,7 @@ def test_zb_h1_bubble_matches_theory(trainer_run):
     # Qi et al.: (p-1)(T_F + T_B - T_W) with T_B the input gradient alone (t_bwd_s holds B + W)
     # Delayed by latency, some W passes (placed to fill a latency-free bubble) hold up a late
     # message; the free-p2p replay puts them back, so that delay counts as latency.
-    _check_bubbles(report, out, lambda s: (P - 1) * (s["t_fwd_s"] + (s["t_bwd_s"] - s["t_wgrad_s"]) - s["t_wgrad_s"]))
+    _check_bubbles(run, report, out, lambda s: (P - 1) * (s["t_fwd_s"] + (s["t_bwd_s"] - s["t_wgrad_s"]) - s["t_wgrad_s"]))
 
 
 def test_delay_names_the_straggler_and_moves_bubble_to_the_others(trainer_run):

@@ -156,7 +156,7 @@ def _truth_replay(m: Measured, step: int) -> list:
     # how far the frames lie from pptrace's ranges of the same passes (the integration's own
     # wrapper sits between the two, slower on a busy box): the most its replay can move
     ev = m.run.events
-    compute = ev[(ev["category"] == "compute") & (ev["step"] == step)]
+    compute = ev[(ev["category"] == "compute") & (ev["step"] == step) & ev["mb"].notna()]
     traced = {(int(r), str(o), int(b), 0 if pd.isna(c) else int(c)): d / 1e9
               for r, o, b, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"], compute["dur_ns"])}
     gaps = [sum(abs(seconds - traced[key]) for seconds, key in own.values() if key[0] == t["rank"] and key in traced)
