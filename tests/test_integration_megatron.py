@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa
 from megatron_run import load_truth, run  # noqa: E402
 from truth_checks import (assert_inside, check_dashboard, check_whatif_replay, compute_brackets,  # noqa: E402
                           idle_brackets, megatron_frames, megatron_frames_and_own_work, megatron_sleeps,
-                          megatron_frames_window, megatron_step_span, megatron_window, TOLERANCE_MS)
+                          megatron_frames_window, megatron_step_span, megatron_window, schedule_part_misses)
 from pptrace.integrations import megatron as integration  # noqa: E402
 
 RUN = dict(world=2, microbatches=8, steps=3, profile_steps="1-2", fwd_ms=20, bwd_ms=40)
@@ -174,17 +174,10 @@ def test_schedule_bubble_matches_a_replay_of_the_executed_order(measured):
     peer stalled mid-transfer) as bubble. The closed-form theory from the stage medians is
     printed beside it: on a busy box a median misses the step's own passes by enough to put
     it 10% off (m (T_max - T_stage) magnifies a median's error m times)."""
-    misses, theory = {}, {}
     replays = {step: _truth_replay(measured, step) for step in PROFILED}
-    for stage in measured.report["pipeline"]["stages"]:
-        i = stage["stage"]
-        for entry in stage["steps"]:
-            replay, gap = replays[entry["step"]]
-            truth = min(replay[i], entry["bubble_s"])
-            if abs(entry["bubble_schedule_s"] - truth) > 0.10 * truth + 2 * gap + TOLERANCE_MS / 1e3:
-                misses[i, entry["step"]] = (round(entry["bubble_schedule_s"] * 1e3, 1), round(truth * 1e3, 1),
-                                            round(gap * 1e3, 2))
-        theory[i] = round(stage["bubble_schedule_s"] / stage["theory_bubble_s"], 3)
+    stages = measured.report["pipeline"]["stages"]
+    misses = schedule_part_misses(stages, replays)
+    theory = {s["stage"]: round(s["bubble_schedule_s"] / s["theory_bubble_s"], 3) for s in stages}
     assert not misses, f"(stage, step) -> (schedule part ms, truth replay ms, frame gap ms): {misses}"
     print(f"{measured.schedule}: schedule part / theory {theory}; frame gaps ms "
           f"{[round(g * 1e3, 2) for _, g in replays.values()]}")

@@ -225,6 +225,23 @@ def assert_inside(brackets: dict, what: str, tolerance_ms: float = TOLERANCE_MS)
     assert not missed, f"{what} outside the truth's bracket (± {tolerance_ms} ms), ms: {missed}; all: {brackets}"
 
 
+def schedule_part_misses(stages: list, replays: dict) -> dict:
+    """(stage, step) -> (schedule part ms, truth ms, gap ms) for every step of the report's
+    pipeline ``stages`` whose ``bubble_schedule_s`` lies more than 10% + twice ``gap`` +
+    TOLERANCE_MS from the truth: ``replays[step]`` = (per stage the truth's free-p2p replay
+    bubble, gap: how far the truth's pass timings lie from pptrace's, the most that moves the
+    replay), never more than the stage's bubble (time moving data is no bubble)."""
+    misses = {}
+    for stage in stages:
+        for entry in stage["steps"]:
+            replay, gap = replays[entry["step"]]
+            truth = min(replay[stage["stage"]], entry["bubble_s"])
+            if abs(entry["bubble_schedule_s"] - truth) > 0.10 * truth + 2 * gap + TOLERANCE_MS / 1e3:
+                misses[stage["stage"], entry["step"]] = (round(entry["bubble_schedule_s"] * 1e3, 1),
+                                                         round(truth * 1e3, 1), round(gap * 1e3, 2))
+    return misses
+
+
 def check_whatif_replay(run, schedule: str, limit: float = 0.10) -> None:
     """What-if replays the measured schedule within ``limit`` of the measured step."""
     from pptrace.vocab import canonical
