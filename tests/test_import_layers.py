@@ -34,7 +34,7 @@ LAYERS = (
                   "pptrace/ingest/exchanges.py", "pptrace/ingest/activity.py")),
     # rank tables -> one frozen Run
     ("run", ("pptrace/ingest/claims.py", "pptrace/ingest/match.py", "pptrace/ingest/align.py",
-             "pptrace/ingest/infer.py", "pptrace/ingest/run.py")),
+             "pptrace/ingest/passes.py", "pptrace/ingest/infer.py", "pptrace/ingest/run.py")),
     ("analyzers", ("pptrace/analyzers/",)),
     ("analysis", ("pptrace/analysis.py", "pptrace/whatif/")),
     ("export", ("pptrace/export/",)),
