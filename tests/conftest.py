@@ -1,6 +1,7 @@
 """Fixtures for the ingestion tests (load, align, match, merge, bad input)."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,20 +21,34 @@ def hta_fixtures() -> Path:
     return FIXTURES
 
 
+def shared_run(tmp_path_factory, name: str, make) -> Path:
+    """``make(out)`` once per test session, whatever the number of pytest-xdist workers: in
+    the directory the workers share, under a file lock, marked done only once it returned
+    (a worker that died half-way leaves it to be made again). -> ``out``."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, above each worker's popen-gwK/
+    home = root / "shared" / name
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(home) + ".lock"):
+        done = home.parent / f"{name}.done"
+        if not done.exists():
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir()
+            make(home / "run")
+            done.touch()
+    return home / "run"
+
+
 @pytest.fixture(scope="session")
 def sleep_run(tmp_path_factory):
     """name -> the directory of that shared sleep-mode trainer run (sleep_runs.RUNS), made
     once a session, on first use."""
     import sleep_runs
 
-    made: dict = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = sleep_runs.make(tmp_path_factory.mktemp(name) / "run", name)
-        return made[name]
-
-    return get
+    return lambda name: shared_run(tmp_path_factory, f"sleep-{name}", lambda out: sleep_runs.make(out, name))
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +57,7 @@ def gloo_run(tmp_path_factory) -> Path:
     Eight profiled steps give alignment enough collectives to be tight on a busy host."""
     from toy_pipeline import run
 
-    out = tmp_path_factory.mktemp("gloo") / "run"
-    run(out, world=4, microbatches=4, steps=9)
-    return out
+    return shared_run(tmp_path_factory, "gloo", lambda out: run(out, world=4, microbatches=4, steps=9))
 
 
 @pytest.fixture
@@ -58,18 +71,18 @@ def gloo_copy(gloo_run, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def trainer_run(tmp_path_factory) -> Path:
     """A real run of the reference trainer: pp=2 x dp=2, 1F1B, sleep compute, steps 1-2."""
-    import os
-    import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("trainer") / "run"
-    cmd = [sys.executable, "-m", "instrumented_model.train", "--pp", "2", "--dp", "2", "--microbatches", "4",
-           "--compute", "sleep", "--fwd-ms", "5", "--bwd-ms", "10", "--steps", "3", "--profile-steps", "1-2",
-           "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    done = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
+    def make(out: Path) -> None:
+        cmd = [sys.executable, "-m", "instrumented_model.train", "--pp", "2", "--dp", "2", "--microbatches", "4",
+               "--compute", "sleep", "--fwd-ms", "5", "--bwd-ms", "10", "--steps", "3", "--profile-steps", "1-2",
+               "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        done = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return shared_run(tmp_path_factory, "trainer", make)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@
   call of ``schedule.step()`` (``pipeline_start`` / ``pipeline_end``: the pipeline runs in
   it, so across ranks they bound the pipeline window of DESIGN contract 3), the closing
   all-reduce (``reduce_start`` / ``reduce_end``) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
-  ``mb``, start/end) with the sleeps measured inside it (``kind`` fwd|bwd_input|bwd_weight).
+  ``mb``, start/end) with the sleeps measured inside it (``kind`` fwd|bwd_input|bwd_weight),
+  and in ``p2p`` every call of torch's ``_batch_p2p`` (a post) and ``_wait_batch_p2p``.
   Every time is given twice: ``*_ns`` from ``perf_counter_ns`` and ``*_epoch_ns`` from
   ``time_ns`` (comparable with trace times: ``baseTimeNanoseconds + ts * 1000``). Also the
   schedule's own ``pipeline_order`` for this rank (``[op, stage, mb]``, OVERLAP_F_B expanded
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -90,7 +92,7 @@ class Recorder:
 
     def begin_step(self, step: int) -> None:
         ns, epoch = _now()
-        self.steps.append({"step": step, "start_ns": ns, "start_epoch_ns": epoch, "actions": []})
+        self.steps.append({"step": step, "start_ns": ns, "start_epoch_ns": epoch, "actions": [], "p2p": []})
 
     def mark(self, name: str) -> None:
         """A named instant of the current step (``<name>_ns`` and ``<name>_epoch_ns``)."""
@@ -115,6 +117,22 @@ class Recorder:
             record.update(end_ns=ns, end_epoch_ns=epoch)
             if self.steps:
                 self.steps[-1]["actions"].append(record)
+
+    def timed_p2p(self, fn):
+        """``fn`` (torch's ``_batch_p2p`` or ``_wait_batch_p2p``) with each call's span logged
+        in the step's ``p2p``: what lies between two of them and is no pass is the framework's.
+        Wrapped with its signature, which pptrace's integration checks before it wraps it too."""
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            ns, epoch = _now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.steps:
+                    end_ns, end_epoch = _now()
+                    self.steps[-1]["p2p"].append({"start_ns": ns, "end_ns": end_ns, "start_epoch_ns": epoch,
+                                                  "end_epoch_ns": end_epoch})
+        return call
 
     def sleep(self, kind: str, seconds: float) -> None:
         if seconds <= 0:
@@ -316,6 +334,12 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
         params = [p for st in stages for p in st.submod.parameters()]
         optimizer = torch.optim.SGD(params, lr=1e-3)
 
+        # Posts and waits are timed around torch's own helpers (looked up as module globals
+        # at each call), so the schedules' code runs unchanged.
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        for name in ("_batch_p2p", "_wait_batch_p2p"):
+            setattr(torch_schedules, name, RECORDER.timed_p2p(getattr(torch_schedules, name)))
         prof, prof_step = _profiler(cfg, out, rank)
         with prof:
             for step in range(cfg["steps"]):

@@ -21,8 +21,8 @@ from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
 from truth_checks import (Bracket, assert_inside, check_dashboard, check_whatif_replay, compute_brackets, covered,
-                          idle_brackets, megatron_frames_to_posts, megatron_sleeps, passes, passes_and_own_work, sends_per_step,
-                          sleeps)
+                          idle_brackets, megatron_frames_to_posts, megatron_sleeps, passes, passes_and_own_work,
+                          passes_to_posts, sends_per_step, sleeps)
 
 
 # --------------------------------------------------------------------------------------
@@ -326,19 +326,15 @@ def test_plain_dashboard_page_is_written(plain, tmp_path):
     check_dashboard(plain.analysis, tmp_path / "report.html")
 
 
-#: An inferred pass runs from one p2p post to the next, so it takes in the schedule's own
-#: bookkeeping beside the pass function (Megatron's deallocate_output_tensor, its interleaved
-#: helpers' tensor handling), which the frames stretched to the p2p calls around them cover
-#: (megatron_frames_to_posts); what is left is _communicate's own work before its first post.
-PASS_EDGE_S = 0.0
-
-
-def _pass_bracket(compute, least: list, most: list, edge_s: float = 0.0) -> Bracket:
+def _pass_bracket(compute, least: list, most: list) -> Bracket:
     """A rank-step's inferred passes (its compute rows) against its sleeps and the
-    framework's spans around them (each widened by ``edge_s``)."""
+    framework's spans around them. An inferred pass runs from one p2p post to the next, so it
+    takes in the schedule's own bookkeeping beside the pass function (torch's stage send/recv
+    op building, Megatron's deallocate_output_tensor and its interleaved helpers' tensor
+    handling): ``most`` is the framework's spans stretched to the p2p calls around them
+    (passes_to_posts, megatron_frames_to_posts)."""
     lo, hi = min(a for a, _ in most), max(b for _, b in most)
-    return Bracket(compute["dur_ns"].sum() / 1e9, covered(least, lo, hi) / 1e9,
-                   covered(most, lo, hi) / 1e9 + edge_s * len(most))
+    return Bracket(compute["dur_ns"].sum() / 1e9, covered(least, lo, hi) / 1e9, covered(most, lo, hi) / 1e9)
 
 
 @pytest.mark.slow
@@ -356,7 +352,7 @@ def test_plain_without_record_shapes_warns_and_still_finds_the_passes(tmp_path):
         for step in PROFILED:
             mine = ev[(ev["category"] == "compute") & (ev["rank"] == rank) & (ev["step"] == step)]
             assert (mine["op"] == "fwd").sum() == (mine["op"] == "bwd").sum() == 8
-            brackets[rank, step] = _pass_bracket(mine, sleeps(t, step), passes(t, step))
+            brackets[rank, step] = _pass_bracket(mine, sleeps(t, step), passes_to_posts(t, step))
     assert_inside(brackets, "inferred passes")
 
 
@@ -399,8 +395,7 @@ def test_plain_megatron_core(tmp_path, schedule):
     for rank, t in truth.items():
         for step in PROFILED:
             mine = ev[(ev["category"] == "compute") & (ev["rank"] == rank) & (ev["step"] == step)]
-            brackets[rank, step] = _pass_bracket(mine, megatron_sleeps(t, step), megatron_frames_to_posts(t, step),
-                                                 PASS_EDGE_S)
+            brackets[rank, step] = _pass_bracket(mine, megatron_sleeps(t, step), megatron_frames_to_posts(t, step))
             # each logged pass lies in an inferred pass with its op, microbatch and chunk
             for p in (p for p in t["passes"] if p["step"] == step):
                 mid = (p["start_ns"] + p["end_ns"]) // 2

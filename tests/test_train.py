@@ -142,19 +142,14 @@ SLEEP_THEORY_S = {"1f1b": 0.330, "interleaved": 0.285, "interleaved-overlap": 0.
 
 @pytest.mark.slow
 def test_sleep_mode_step_times_follow_theory(sleep_runs):
-    """No schedule runs faster than its sleeps allow (the firm side of the truth); none runs
-    slower than its sleeps plus what the run itself paid beyond them: the 1F1B run's excess
-    over its theory is this machine's p2p and wake-up cost per exchange on the critical path
-    at this moment, and the others have at most three times its exchanges there (interleaved
-    runs m*v + p - 1 rounds where 1F1B runs m + p - 1; without overlap_p2p_comm its four-way
-    exchanges block as well). How much the schedules save against each other on a given box is a
-    speed measurement: benchmarks/bench_schedules.py."""
+    """No schedule runs faster than its sleeps allow: the firm side of the truth, on any
+    machine. How much more than its sleeps a run pays (p2p latency and wake-ups on the
+    critical path) depends on the machine's load at the moment of that run, so comparing it
+    across runs is a speed measurement (benchmarks/bench_schedules.py); the analysis of each
+    run is held to that run's own truth replay (test_analyze_trainer)."""
     steps = {name: _median_step_s(run) for name, run in sleep_runs.items()}
-    latency = steps["1f1b"] - SLEEP_THEORY_S["1f1b"]
-    assert latency >= -0.002, steps
     for name, step in steps.items():
-        theory = SLEEP_THEORY_S[name]
-        assert theory - 0.002 <= step <= theory + 3 * latency + 0.005, (name, step, theory, latency)
+        assert step >= SLEEP_THEORY_S[name] - 0.002, (name, step, SLEEP_THEORY_S[name])
 
 
 # -- numerical equivalence ------------------------------------------------------------------

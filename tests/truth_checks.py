@@ -114,17 +114,29 @@ def megatron_frames(truth: dict, step: int) -> list:
     return [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] != "p2p"]
 
 
-def megatron_frames_to_posts(truth: dict, step: int) -> list:
-    """Each frame stretched to the end of the p2p span before it and the start of the one
-    after it (a ``_communicate`` call, or a wait on a handle it returned): the most a pass
-    inferred between posts can span."""
-    calls = sorted((f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] == "p2p")
+def _stretched_to_calls(spans: list, calls: list) -> list:
+    """Each span stretched to the end of the p2p call before it and the start of the one
+    after it: the most a pass inferred between posts can span."""
     out = []
-    for start, end in megatron_frames(truth, step):
+    for start, end in spans:
         before = [e for _, e in calls if e <= start]
         after = [s for s, _ in calls if s >= end]
         out.append((max(before, default=start), min(after, default=end)))
     return out
+
+
+def passes_to_posts(truth: dict, step: int) -> list:
+    """:func:`passes` stretched to the p2p calls beside them (torch's ``_batch_p2p`` posts and
+    ``_wait_batch_p2p`` waits, as the harness timed them)."""
+    calls = [(c["start_epoch_ns"], c["end_epoch_ns"]) for c in truth_step(truth, step)["p2p"]]
+    return _stretched_to_calls(passes(truth, step), calls)
+
+
+def megatron_frames_to_posts(truth: dict, step: int) -> list:
+    """Each frame stretched to the p2p calls beside it (a ``_communicate`` call, or a wait on
+    a handle it returned)."""
+    calls = [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] == "p2p"]
+    return _stretched_to_calls(megatron_frames(truth, step), calls)
 
 
 def megatron_frames_and_own_work(truth: dict, step: int) -> list:

@@ -151,6 +151,66 @@ def _exchange_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame
                         columns=columns)
 
 
+#: A recv that lasted more than this many times a recv's own cost waited for its message, so
+#: its end is the message's arrival (an exact eager latency); a shorter one found it landed.
+WAITED_FACTOR = 2.0
+
+
+def _left_censored_cdf(value: np.ndarray, exact: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution of observations of which the inexact ones are upper bounds (reverse
+    Kaplan-Meier: ``value`` read backwards is right-censored): (support ascending, its CDF)."""
+    flipped = value.max() - value
+    order = np.lexsort((~exact, flipped))  # at ties, events before censorings
+    flipped, exact = flipped[order], exact[order]
+    at_risk = len(flipped) - np.arange(len(flipped))
+    survive = np.cumprod(np.where(exact, 1.0 - 1.0 / at_risk, 1.0))
+    mass = np.where(exact, np.r_[1.0, survive[:-1]] - survive, 0.0)
+    support = (value.max() - flipped)[::-1]
+    cdf = np.cumsum(mass[::-1])
+    return support, cdf / cdf[-1] if cdf[-1] > 0 else cdf
+
+
+def _eager_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
+    """One latency per p2p message for a replay with eager sends (torch's runtime schedules
+    post a send and wait on it later; a recv ends once its message landed): from the send's
+    post to the recv's end. Exact when the recv waited for it: it was posted before the send,
+    or it lasted over :data:`WAITED_FACTOR` times a recv's own cost (the median recv posted
+    well after its send). Otherwise the message had landed before the recv was posted, and
+    that span is only an upper bound: such a message gets the median of the distribution
+    below its bound (reverse Kaplan-Meier over all of them), not the bound, which would
+    count the receiver's own lateness as latency, nor the recv's own span, which would drop
+    the time the message took. Recvs with passes inside (posted, waited later) are left out."""
+    columns = ["rank", "exchange", "link", "latency_ns"]
+    pairs = run.pairs
+    pairs = pairs[(pairs["kind"] == "pp").to_numpy() & pairs["step"].isin(steps).to_numpy()]
+    if pairs.empty:
+        return pd.DataFrame(columns=columns)
+    dst = pairs["dst"].to_numpy(np.int64)
+    recv_start, recv_end = pairs["recv_start_ns"].to_numpy(np.int64), pairs["recv_end_ns"].to_numpy(np.int64)
+    send_start = pairs["send_start_ns"].to_numpy(np.int64)
+    spans = _exchange_spans(dst, np.arange(len(pairs)), recv_start, recv_end, ops)
+    quiet = ~spans["passes"].to_numpy()
+    if not quiet.any():
+        return pd.DataFrame(columns=columns)
+    bound = np.maximum(recv_end - send_start, 0)[quiet].astype(float)
+    lasted = (recv_end - recv_start)[quiet].astype(float)
+    before = (recv_start <= send_start)[quiet]
+    # a recv posted long after its send (beyond 4 typical bounds) found its message there
+    landed = (recv_start - send_start)[quiet] > 4 * np.median(bound)
+    cost = float(np.median(lasted[landed])) if landed.any() else float(np.percentile(lasted, 10))
+    exact = before | (lasted > WAITED_FACTOR * cost)
+    latency = bound
+    if (~exact).any() and exact.any():
+        support, cdf = _left_censored_cdf(bound, exact)
+        below = cdf[np.clip(np.searchsorted(support, bound[~exact], side="right") - 1, 0, len(cdf) - 1)]
+        median_below = support[np.clip(np.searchsorted(cdf, below / 2), 0, len(support) - 1)]
+        latency = bound.copy()
+        latency[~exact] = np.minimum(median_below, bound[~exact])
+    link = list(zip(pairs["src"].map(stage_of)[quiet], pairs["dst"].map(stage_of)[quiet]))
+    return pd.DataFrame({"rank": dst[quiet], "exchange": np.flatnonzero(quiet), "link": link,
+                         "latency_ns": latency}, columns=columns)
+
+
 def _latency(observed: pd.DataFrame, p: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Per link median latency, and all observations (the empirical distribution)."""
     lat = np.zeros((p, p))
@@ -283,7 +343,10 @@ def measure(run) -> Measured:
         notes.append(f"stage {stage} has no traced passes; assumed the median of the other stages")
         for a in (fwd, bwd, wgrad):
             a[stage] = np.median(a[present], axis=0)
-    latency, samples = _latency(_exchange_latencies(run, steps.index, ops, stage_of), p)
+    # torch's runtime schedules are replayed with eager sends (_replicated), whose latency
+    # runs from the send's post
+    observe = _exchange_latencies if programs is None else _eager_latencies
+    latency, samples = _latency(observe(run, steps.index, ops, stage_of), p)
     times = PipelineTimes(fwd, bwd, wgrad, latency, _overhead(ops), samples, post_s=_post_cost(main))
 
     spans = run.pipeline_windows
