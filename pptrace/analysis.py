@@ -401,6 +401,7 @@ def _build_document(a: Analysis) -> dict:
             "schedule": view.schedule, "microbatches": view.microbatches or pipe.get("microbatches"),
             "vpp": view.vpp, "steps": list(view.steps), "ranks": list(view.ranks),
             "inferred": dict(view.inferred),
+            "comm_kernels": {lib: dict(v) for lib, v in view.comm_kernels.items()},
         },
         "ranks": _rank_entries(view, a._all_steps, ranks, a.gpu),
         "pipeline": {

@@ -295,13 +295,22 @@ def _run_options(fn):
     return fn
 
 
-def _dask_options(fn):
-    """--workers/--scheduler: where the ranks' traces are parsed (pptrace.ingest.cluster),
-    handed to the command as ``dask``, the keyword arguments of _load that say it."""
+def _load_options(fn):
+    """How the run is loaded, handed to the command as ``loading`` (the keyword arguments of
+    _load that say it): --workers/--scheduler, where the ranks' traces are parsed
+    (pptrace.ingest.cluster), and --comm-kernel, kernels that communicate beyond those
+    pptrace knows (pptrace.ingest.comm_kernels)."""
 
     @functools.wraps(fn)
-    def wrapper(*args, workers=None, scheduler=None, **kwargs):
-        dask = {}
+    def wrapper(*args, workers=None, scheduler=None, comm_kernel=(), **kwargs):
+        loading = {}
+        if comm_kernel:
+            from .ingest.comm_kernels import parse_rule
+
+            try:
+                loading["comm_kernels"] = tuple(parse_rule(text) for text in comm_kernel)
+            except ValueError as exc:
+                raise click.ClickException(str(exc)) from None
         if workers is not None or scheduler is not None:
             import importlib.util
 
@@ -311,9 +320,13 @@ def _dask_options(fn):
                 raise _BadOption("--workers starts a local Dask cluster, --scheduler uses an existing one: give one of them")
             if importlib.util.find_spec("distributed") is None:
                 raise click.ClickException(INSTALL_HINT)
-            dask = {"scheduler": scheduler or LOCAL, "workers": workers}
-        return fn(*args, dask=dask, **kwargs)
+            loading.update(scheduler=scheduler or LOCAL, workers=workers)
+        return fn(*args, loading=loading, **kwargs)
 
+    wrapper = click.option("--comm-kernel", "comm_kernel", multiple=True, metavar="REGEX=DIM",
+                           help="GPU kernels whose name REGEX finds communicate for DIM (tp, cp, dp or ep), "
+                                "beyond the NCCL, DeepEP, NVSHMEM and custom all-reduce kernels pptrace knows; "
+                                "repeat for more.")(wrapper)
     wrapper = click.option("--scheduler", metavar="ADDRESS",
                            help="Parse the traces on the Dask cluster of this scheduler (tcp://HOST:8786), whose "
                                 "workers see RUN at the same path (needs pip install 'pptrace[distributed]').")(wrapper)
@@ -346,9 +359,9 @@ def _write_json(document: dict, target: str | None = None) -> None:
 @click.option("--hta", "with_hta", is_flag=True,
               help="GPU traces: also run HTA on the same files and show its numbers beside pptrace's "
                    "(needs pip install 'pptrace[hta]').")
-@_dask_options
+@_load_options
 @_one_line_errors
-def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, with_hta, dask):
+def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, with_hta, loading):
     """Where each rank's step time goes: compute, pipeline bubble (idle, waiting for another
     stage), pipeline sends and receives, the tensor-, context- and data-parallel communication
     that compute did not hide, and the ranks that hold the others back. A legend under the
@@ -362,7 +375,7 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
         if not hta_available():
             raise click.ClickException(INSTALL_HINT)
     html_out = _output(run_dir, html_out, "--html")
-    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **dask)
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **loading)
     analysis = analyze_run(run)
     report = analysis.to_json()
     comparison = None
@@ -392,15 +405,15 @@ def analyze(run_dir: Path, steps_text, ranks_text, json_out, explain, html_out, 
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="HTML file to write (default: RUN/report.html).")
 @click.option("--png", "png_dir", type=click.Path(path_type=Path), help="Also write one PNG per figure here.")
-@_dask_options
+@_load_options
 @_one_line_errors
-def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir, dask):
+def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir, loading):
     """One self-contained interactive HTML page: the pipeline as it ran, breakdowns, overlap, stragglers."""
     from .analysis import analyze as analyze_run
     from .export.dashboard import write_page
 
     output = _output(run_dir, output or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html", "-o")
-    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **dask)
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), **loading)
     path = write_page(analyze_run(run), output, png_dir=png_dir)
     click.echo(f"dashboard: {path}", err=_is_stdout(path))
     if png_dir:
@@ -412,15 +425,15 @@ def dashboard(run_dir: Path, steps_text, ranks_text, output, png_dir, dask):
 @_run_options
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
               help="Merged trace to write (.json or .json.gz).")
-@_dask_options
+@_load_options
 @_one_line_errors
-def merge(run_dir: Path, steps_text, ranks_text, output, dask):
+def merge(run_dir: Path, steps_text, ranks_text, output, loading):
     """One Perfetto / chrome://tracing trace of every rank on aligned clocks, p2p pairs as arrows."""
     from .export.perfetto import merge_run
 
     output = _output(run_dir, output, "-o")
     # every op: the analyses' compact table folds nested CPU ops away (ingest/compact.py)
-    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), compact=False, **dask)
+    run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), compact=False, **loading)
     path = merge_run(run, output)
     click.echo(f"merged {len(run.ranks)} ranks into {path}", err=_is_stdout(path))
     for warning in run.warnings:
@@ -438,15 +451,15 @@ def merge(run_dir: Path, steps_text, ranks_text, output, dask):
 @click.option("--p2p-free", is_flag=True, help="Assume pipeline sends and receives take no time.")
 @click.option("--json", "json_out", is_flag=True, help="Print the prediction as JSON instead of a table.")
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path), help="Write the simulated timeline (Perfetto).")
-@_dask_options
+@_load_options
 @_one_line_errors
-def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out, dask):
+def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out, loading):
     """Predict the step time under another pipeline schedule, number of model chunks per stage
     or of microbatches, without the slowest rank, or with free pipeline transfers."""
     from .whatif import predict as whatif_mod
 
     trace_out = _output(run_dir, trace_out, "--trace")
-    run = _load(run_dir, **dask)
+    run = _load(run_dir, **loading)
     result = whatif_mod.whatif(run, schedule=schedule, vpp=vpp, microbatches=microbatches,
                                no_straggler=no_straggler, p2p_free=p2p_free)
     if trace_out:

@@ -28,7 +28,7 @@ LAYERS = (
                 "pptrace/ingest/memory.py", "pptrace/ingest/megatron_names.py", "pptrace/ingest/compact.py",
                 "pptrace/ingest/nccl.py", "pptrace/ingest/frame.py", "pptrace/ingest/files.py",
                 "pptrace/ingest/columnar.py", "pptrace/ingest/store.py", "pptrace/ingest/document.py",
-                "pptrace/ingest/cluster.py", "pptrace/ingest/load.py")),
+                "pptrace/ingest/cluster.py", "pptrace/ingest/load.py", "pptrace/ingest/comm_kernels.py")),
     # query primitives over an events table
     ("timeline", ("pptrace/ingest/intervals.py", "pptrace/ingest/projection.py", "pptrace/ingest/windows.py",
                   "pptrace/ingest/exchanges.py", "pptrace/ingest/activity.py")),

@@ -3,7 +3,9 @@ run in one call). The document itself is built by ``pptrace.analysis``; this fil
 from __future__ import annotations
 
 from ..analysis import analyze
+from ..ingest.comm_kernels import describe as describe_kernels
 from ..vocab import COMM_DIMS, PARTS
+
 
 def build_report(run, steps=None, ranks=None) -> dict:
     """The contract-4 document of a loaded run: ``pptrace.analyze(run, steps=, ranks=).to_json()``."""
@@ -189,6 +191,9 @@ def print_report(report: dict, console, explain: bool = False) -> None:
     if run.get("inferred"):
         console.print("[bold]inferred[/] (the run carries no pptrace metadata): " + "; ".join(
             f"{escape(str(k))}: {escape(str(v))}" for k, v in run["inferred"].items()), highlight=False)
+    if run.get("comm_kernels"):
+        console.print("[bold]communication kernels[/] known by name: " + escape(describe_kernels(run["comm_kernels"])),
+                      highlight=False)
     pipe = report["pipeline"]
     if pipe["stages"] and lay["pp"] > 1:
         cols = [Col("stage", key=True), *(Col(h) for h in (

@@ -282,6 +282,11 @@ def dim_of_desc(desc) -> str | None:
     if not isinstance(desc, str):
         return None
     words = set(re.split(r"[^a-z]+", desc.lower())) - {""}
+    if "expert" in words:
+        # Megatron's expert groups: EXPERT_DATA_PARALLEL_GROUP reduces the experts' gradients
+        # (dp), EXPERT_TENSOR_PARALLEL_GROUP splits an expert (tp); the all-to-all runs on
+        # EXPERT_MODEL_PARALLEL_GROUP, or EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP with TP (ep)
+        return "dp" if "data" in words else "tp" if "tensor" in words and "model" not in words else "ep"
     found = [dim for dim, keys in _DESC_WORDS if words & set(keys)]
     return found[0] if len(found) == 1 else None
 
@@ -315,10 +320,11 @@ def _is_p2p_kernel(names: pd.Series, collectives: pd.Series) -> np.ndarray:
 
 
 def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: list, layout, pg: list):
-    """(group, dim, start, end) of the NCCL collective kernels (rows ``nccl``), and the count
-    per group of those whose dim was guessed. A kernel's dim is that of the last contract
-    range (in rows) projected around it on its stream, or on no stream; else _gpu_dim, once
-    per distinct rank, group ranks, collective and process group."""
+    """(group, dim, start, end) of the communication kernels (rows ``nccl``: NCCL's, and those
+    known by name), and the count per group of those whose dim was guessed. A kernel's dim is
+    that of the last contract range (in rows) projected around it on its stream, or on no
+    stream; else a named kernel's own (its ``kind``); else _gpu_dim, once per distinct rank,
+    group ranks, collective and process group."""
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
     ann = np.flatnonzero(ev["gpu_annotation"].to_numpy(bool))
     ann = ann[np.isin(ev["kind"].iloc[ann].to_numpy(object), COMM_DIMS)
@@ -332,7 +338,11 @@ def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: 
     dim = np.empty(len(nccl), object)
     annotated = last >= 0
     dim[annotated] = ev["kind"].iloc[ann[last[annotated]]].to_numpy(object)
-    rest = nccl[~annotated]
+    # a kernel known by name (comm_kernels.py) carries its dim: no group to look up
+    is_nccl = ev["is_nccl"].to_numpy(bool)[nccl] if "is_nccl" in ev else np.ones(len(nccl), bool)
+    named = ~annotated & ~is_nccl
+    dim[named] = ev["kind"].iloc[nccl[named]].to_numpy(object)
+    rest = nccl[~annotated & ~named]
     cols = [ev[c].iloc[rest].astype(object).to_numpy() for c in ("group_ranks", "collective", "pg_name")]
     combo = _codes(group[rest], *cols)
     firsts = np.unique(combo, return_index=True)[1]  # combo counts 0, 1, ...
@@ -340,7 +350,7 @@ def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: 
              for g, gr, coll, name in zip(group[rest][firsts], *(c[firsts] for c in cols))]
     dims, known = np.empty(len(found), object), np.array([k for _, k in found], bool)
     dims[:] = [d for d, _ in found]
-    dim[~annotated] = dims[combo]
+    dim[~annotated & ~named] = dims[combo]
     unknown = np.bincount(group[rest][~known[combo]], minlength=len(ranks)) if len(found) else np.zeros(len(ranks), int)
     return (group[nccl], dim, ks, ke), unknown
 

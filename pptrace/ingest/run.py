@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import align, claims, infer, match, memory, windows
+from . import align, claims, comm_kernels as comm_kernels_mod, infer, match, memory, windows
 from .claims import is_count, is_index, shape
 from .activity import activities
 from ..errors import TraceError
@@ -63,6 +63,9 @@ class Run:
     inferred: dict = field(default_factory=dict)
     #: the ranks the caller asked for (load_run's ``ranks``); None: all of the run's
     requested: tuple | None = None
+    #: GPU kernels counted as communication by name (comm_kernels.py): library -> {dim,
+    #: kernels (events)}; {} when none but NCCL's ran
+    comm_kernels: dict = field(default_factory=dict)
 
     def __post_init__(self):
         missing = {"rank", "lane_kind", "start_ns", "end_ns", "category"} - set(self.events.columns)
@@ -380,7 +383,7 @@ def _not_profiled(absent, run_steps, metas) -> str:
 
 def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=None,
              layout: Layout | None = None, workers: int | None = None, compact: bool = True,
-             scheduler: str | None = None) -> Run:
+             scheduler: str | None = None, comm_kernels=()) -> Run:
     """Load, align and match a run directory (or one trace file).
 
     ``ranks``/``steps`` restrict what is loaded/kept; ``layout`` overrides the layout found
@@ -388,9 +391,12 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     of each phase on stderr on/off (default: ``pptrace.progress.wanted``); ``compact=False``
     keeps the CPU ops that the analyses fold away (ingest/compact.py), for ``pptrace merge``;
     ``workers``/``scheduler``: where the ranks are parsed (see load.load_ranks: Dask with a
-    ``scheduler``).
+    ``scheduler``); ``comm_kernels``: GPU kernels that communicate, beyond those pptrace
+    knows ('REGEX=DIM' strings or comm_kernels.CommKernel; a bad one is a ValueError before
+    anything is read).
     """
     path = Path(path)
+    kernel_rules = comm_kernels_mod.rules(comm_kernels)
     warnings: list[str] = []
     files = find_trace_files(path)
     with phase(HEADERS, enabled=progress):
@@ -456,12 +462,14 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
         # and collectives unmatched
         events = events[events["step"].isin(run_steps).to_numpy()]
     events = events.reset_index(drop=True)
+    events, found_kernels = comm_kernels_mod.mark(events, kernel_rules)
     # a layout the user gave, or a pptrace block's with a pipeline, stands; otherwise a plain
     # trace's pipeline may be inferred (infer.py)
     known = layout is not None or run_layout.pp > 1
     with phase(ALIGN, enabled=progress):
         return _finish(path, events, run_layout, metas, run_steps, warnings, layout_known=known,
-                       layout_said=said, requested=None if wanted is None else sorted(wanted))
+                       layout_said=said, requested=None if wanted is None else sorted(wanted),
+                       comm_kernels=found_kernels)
 
 
 def _check_spread(events, metas):
@@ -484,7 +492,7 @@ def _check_spread(events, metas):
 
 
 def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = True,
-            layout_said: str | None = None, requested=None) -> Run:
+            layout_said: str | None = None, requested=None, comm_kernels=None) -> Run:
     loaded = sorted(metas)
     given = {f: _common(f, metas) for f in ("schedule", "microbatches", "vpp")}
     claimed = {f for f, value in given.items() if value is not None}  # what the pptrace block says
@@ -496,6 +504,11 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
         inferred = {k: v for k, v in found.inferred.items() if given.get(k) is None}
         for f in given:
             given[f] = given[f] if given[f] is not None else getattr(found, f)
+    ep = [lib for lib, v in (comm_kernels or {}).items() if v["dim"] == "ep"]
+    if ep and not any(m.get("pptrace") for m in metas.values()):
+        # the dense layout has no ep dim: say so rather than show a plain dpN as if that were all
+        inferred["ep"] = (f"expert-parallel all-to-all from its kernels ({', '.join(ep)}); the traces do not say "
+                          "the expert groups, so the ranks are shown by their dense layout")
     layout, given, w_claims = claims.cross_check(events, layout, given, claimed, metas,
                                            None if found is not None else layout_said)
     warnings = [*warnings, *w_claims]
@@ -517,4 +530,5 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
         path=path, events=aligned, layout=layout, meta=metas, ranks=tuple(loaded), steps=tuple(steps),
         pairs=pairs, collectives=instances, offsets=offsets, warnings=tuple(warnings),
         schedule=schedule, microbatches=microbatches, vpp=vpp, inferred=inferred, requested=requested,
+        comm_kernels=comm_kernels or {},
     )
