@@ -13,7 +13,9 @@
   it, so across ranks they bound the pipeline window of DESIGN contract 3), the closing
   all-reduce (``reduce_start`` / ``reduce_end``) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
   ``mb``, start/end) with the sleeps measured inside it (``kind`` fwd|bwd_input|bwd_weight),
-  and in ``p2p`` every call of torch's ``_batch_p2p`` (a post) and ``_wait_batch_p2p``.
+  in ``losses`` every call of the loss function (the last stage's, after each of its
+  forwards, in their order) with its sleep (``kind`` loss), and in ``p2p`` every call of
+  torch's ``_batch_p2p`` (a post) and ``_wait_batch_p2p``.
   Every time is given twice: ``*_ns`` from ``perf_counter_ns`` and ``*_epoch_ns`` from
   ``time_ns`` (comparable with trace times: ``baseTimeNanoseconds + ts * 1000``). Also the
   schedule's own ``pipeline_order`` for this rank (``[op, stage, mb]``, OVERLAP_F_B expanded
@@ -36,7 +38,8 @@ microbatch of a v=1 one): forward ``fwd_ms``; the whole backward ``bwd_ms``, of 
 ``wgrad_ms`` (default half) is the weight gradient. A full backward (B) sleeps both parts;
 zero-bubble schedules split it into I (input grad, ``bwd_ms - wgrad_ms``) and W (weight
 grad, ``wgrad_ms``), except on stage 0, where torch skips I (the stage input needs no
-gradient) and its W runs the whole backward.
+gradient) and its W runs the whole backward. The last stage's loss sleeps ``loss_ms``
+(default 0) in each call.
 
 With ``dp > 1`` the world is a DeviceMesh ``(pp, dp)`` named ("pp", "dp"); each dp replica
 runs its own pipeline. Every step ends with an all-reduce over all ranks (the grad norm of
@@ -92,7 +95,8 @@ class Recorder:
 
     def begin_step(self, step: int) -> None:
         ns, epoch = _now()
-        self.steps.append({"step": step, "start_ns": ns, "start_epoch_ns": epoch, "actions": [], "p2p": []})
+        self.steps.append({"step": step, "start_ns": ns, "start_epoch_ns": epoch, "actions": [], "p2p": [],
+                           "losses": []})
 
     def mark(self, name: str) -> None:
         """A named instant of the current step (``<name>_ns`` and ``<name>_epoch_ns``)."""
@@ -117,6 +121,22 @@ class Recorder:
             record.update(end_ns=ns, end_epoch_ns=epoch)
             if self.steps:
                 self.steps[-1]["actions"].append(record)
+
+    @contextlib.contextmanager
+    def loss(self):
+        """A call of the loss function (the last stage's, after each forward), with the sleeps
+        inside it, logged in the step's ``losses``: compute, but no action of the schedule."""
+        ns, epoch = _now()
+        record = {"start_ns": ns, "start_epoch_ns": epoch, "sleeps": []}
+        outer, self._action = self._action, record
+        try:
+            yield
+        finally:
+            self._action = outer
+            ns, epoch = _now()
+            record.update(end_ns=ns, end_epoch_ns=epoch)
+            if self.steps:
+                self.steps[-1]["losses"].append(record)
 
     def timed_p2p(self, fn):
         """``fn`` (torch's ``_batch_p2p`` or ``_wait_batch_p2p``) with each call's span logged
@@ -225,8 +245,16 @@ def _build_model_classes():
     return SleepStage, TimedStage
 
 
-def _loss(output, target):
-    return ((output - target) ** 2).mean()
+def _make_loss(seconds: float):
+    """The last stage's loss: mean squared error, after sleeping ``seconds`` (the known cost
+    of a loss like torchtitan's, which runs the output head and cross entropy)."""
+
+    def loss(output, target):
+        with RECORDER.loss():
+            RECORDER.sleep("loss", seconds)
+            return ((output - target) ** 2).mean()
+
+    return loss
 
 
 def _order_rows(actions, sends: bool = False) -> list:
@@ -254,6 +282,7 @@ def _make_schedule(cfg: dict, stages: list, pp_rank: int, scratch: str):
     import torch.distributed.pipelining.schedules as S
 
     name, m = cfg["schedule"], cfg["microbatches"]
+    _loss = _make_loss(cfg["loss_ms"] / 1e3)
     if name in SINGLE:
         return getattr(S, name)(stages[0], m, loss_fn=_loss)
     if name != "_PipelineScheduleRuntime":
@@ -368,7 +397,7 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
         truth = {
             "rank": rank, "world": world, "pp": pp, "dp": dp, "vpp": v, "pp_rank": pp_rank, "pp_ranks": pp_ranks,
             "schedule": cfg["schedule"], "microbatches": m, "mode": cfg["mode"],
-            "fwd_ms": cfg["fwd_ms"], "bwd_ms": cfg["bwd_ms"], "wgrad_ms": cfg["wgrad_ms"],
+            "fwd_ms": cfg["fwd_ms"], "bwd_ms": cfg["bwd_ms"], "wgrad_ms": cfg["wgrad_ms"], "loss_ms": cfg["loss_ms"],
             "stages": mine, "stage_ranks": [pp_ranks[p] for p in placement],
             "pipeline_order": _order_rows(order.get(pp_rank)),
             "pipeline_order_with_comms": _order_rows(with_comms.get(pp_rank), sends=True) if with_comms else None,
@@ -398,6 +427,7 @@ def run(
     fwd_ms: float = 10,
     bwd_ms: float = 20,
     wgrad_ms: float | None = None,
+    loss_ms: float = 0,
     v: int | None = None,
     dp: int = 1,
     timeout: float = 300,
@@ -426,7 +456,8 @@ def run(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(out=str(out), schedule=schedule, world=world, pp=world // dp, dp=dp, v=v, microbatches=microbatches,
-               steps=steps, profile_steps=profile_steps, mode=mode, fwd_ms=fwd_ms, bwd_ms=bwd_ms, wgrad_ms=wgrad_ms)
+               steps=steps, profile_steps=profile_steps, mode=mode, fwd_ms=fwd_ms, bwd_ms=bwd_ms, wgrad_ms=wgrad_ms,
+               loss_ms=loss_ms)
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     with tempfile.TemporaryDirectory(prefix="pipelining-") as scratch:
         ctx = mp.start_processes(_worker, args=(cfg, os.path.join(scratch, "store")), nprocs=world,
@@ -463,10 +494,11 @@ if __name__ == "__main__":
     parser.add_argument("--fwd-ms", type=float, default=10)
     parser.add_argument("--bwd-ms", type=float, default=20)
     parser.add_argument("--wgrad-ms", type=float, default=None)
+    parser.add_argument("--loss-ms", type=float, default=0, help="the last stage's loss sleeps this long")
     parser.add_argument("--v", type=int, default=None, help="stages per rank")
     a = parser.parse_args()
     t0 = time.time()
     run(a.out_dir, a.schedule, world=a.world, microbatches=a.microbatches, steps=a.steps,
         profile_steps=a.profile_steps, mode=a.mode, fwd_ms=a.fwd_ms, bwd_ms=a.bwd_ms, wgrad_ms=a.wgrad_ms,
-        v=a.v, dp=a.dp)
+        loss_ms=a.loss_ms, v=a.v, dp=a.dp)
     print(f"wrote {a.out_dir} ({a.schedule}, {a.mode}) in {time.time() - t0:.1f}s", file=sys.stderr)

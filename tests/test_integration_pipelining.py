@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 
 from pipelining_run import SCHEDULES, load_truth, run
-from truth_checks import (assert_inside, check_dashboard, check_whatif_replay, compute_brackets, idle_brackets, passes,
-                          passes_and_own_work, sends_per_step, sleeps, truth_step)
+from truth_checks import (assert_inside, check_dashboard, check_whatif_replay, compute_brackets, idle_brackets,
+                          loss_calls, passes, passes_and_own_work, sends_per_step, sleeps, truth_step)
 
-RUN = dict(world=4, microbatches=8, steps=3, profile_steps="1-2", fwd_ms=20, bwd_ms=40)
+#: the last stage's loss sleeps 10 ms after each forward (torchtitan's loss wrapper runs the
+#: output head and cross entropy there): compute of that stage, outside torch's pass functions
+RUN = dict(world=4, microbatches=8, steps=3, profile_steps="1-2", fwd_ms=20, bwd_ms=40, loss_ms=10)
 PROFILED = (1, 2)
 
 
@@ -131,16 +133,30 @@ def _truth_orders(m: Measured) -> tuple[list, list]:
 
 
 def _traced_passes(m: Measured, step: int) -> dict:
-    """(rank, action, mb, chunk) -> seconds: each pass of ``step`` as pptrace's range timed it."""
+    """(rank, action, mb, chunk) -> seconds: each pass of ``step`` as pptrace's range timed it,
+    a forward of the last stage with its loss range (compute:loss) added."""
     import pandas as pd
 
-    from pptrace.vocab import ACTION_OF
+    from pptrace.vocab import ACTION_OF, LOSS
 
     ev = m.run.events
     compute = ev[(ev["category"] == "compute") & (ev["step"] == step)]
-    return {(int(r), ACTION_OF.get(str(op)), int(mb), 0 if pd.isna(c) else int(c)): d / 1e9
-            for r, op, mb, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"],
-                                       compute["dur_ns"])}
+    out: dict = {}
+    for r, op, mb, c, d in zip(compute["rank"], compute["op"], compute["mb"], compute["chunk"], compute["dur_ns"]):
+        key = (int(r), "F" if str(op) == LOSS else ACTION_OF.get(str(op)), int(mb), 0 if pd.isna(c) else int(c))
+        out[key] = out.get(key, 0.0) + d / 1e9
+    return out
+
+
+def _harness_passes(t: dict, step: int) -> list:
+    """(action, its seconds as the harness timed it, with the loss call after a last-stage
+    forward added) for each action of one rank's ``step``."""
+    calls = loss_calls(t, step)
+    out = []
+    for a in truth_step(t, step)["actions"]:
+        call = calls.get((a["stage"], a["mb"])) if a["op"] == "F" else None
+        out.append((a, (a["end_ns"] - a["start_ns"] + (call["end_ns"] - call["start_ns"] if call else 0)) / 1e9))
+    return out
 
 
 def _truth_replay(m: Measured, step: int | None = None, timing: str = "harness") -> list:
@@ -163,8 +179,8 @@ def _truth_replay(m: Measured, step: int | None = None, timing: str = "harness")
         passes = [(a["op"], a["stage"], a["mb"], traced[s][rank, a["op"], a["mb"], a["chunk"]])
                   for rank, t in m.truth.items() for s in steps for a in truth_step(t, s)["actions"]]
     else:
-        passes = [(a["op"], a["stage"], a["mb"], (a["end_ns"] - a["start_ns"]) / 1e9)
-                  for t in m.truth.values() for s in steps for a in truth_step(t, s)["actions"]]
+        passes = [(a["op"], a["stage"], a["mb"], seconds)
+                  for t in m.truth.values() for s in steps for a, seconds in _harness_passes(t, s)]
     if step is None:
         durations: dict = {}
         for op, stage, _, seconds in passes:
@@ -190,10 +206,10 @@ def _pass_gaps_s(m: Measured, step: int) -> dict:
     out = {}
     for rank, t in m.truth.items():
         gap = 0.0
-        for a in truth_step(t, step)["actions"]:
+        for a, seconds in _harness_passes(t, step):
             mine = traced.get((rank, a["op"], a["mb"], a["chunk"]))
             if mine is not None:
-                gap += abs((a["end_ns"] - a["start_ns"]) / 1e9 - mine)
+                gap += abs(seconds - mine)
         out[t["pp_rank"]] = gap
     return out
 
@@ -240,6 +256,36 @@ def test_schedule_bubble_matches_a_replay_of_the_schedules_own_order(measured):
           f"({measured.report['pipeline'].get('theory_source')})")
     if str(measured.report["pipeline"].get("theory_source")).startswith("replay"):
         assert all(abs(r - 1) < 0.01 for r in theory.values()), f"theory: {theory}"
+
+
+@pytest.mark.slow
+def test_the_last_stages_loss_is_compute_of_its_forward(measured):
+    """torch runs the loss between the last stage's forward and its backward, outside its
+    pass functions: one compute:loss range per microbatch, counted in that stage's t_fwd
+    (per microbatch, all its chunks' forwards and the loss), which lies between the sleeps
+    and the harness's spans of the same work (the trace's µs against ns: 0.25 ms)."""
+    import numpy as np
+
+    truth = next(iter(measured.truth.values()))
+    last = truth["stage_ranks"][-1]
+    ev = measured.run.events
+    loss = ev[(ev["rank"] == last) & (ev["op"] == "loss") & ev["step"].isin(PROFILED)]
+    assert (loss["category"] == "compute").all()
+    assert sorted(loss["mb"].astype(int)) == sorted(list(range(8)) * len(PROFILED))
+    assert not ((ev["op"] == "loss") & (ev["rank"] != last)).any()
+    t = measured.truth[last]
+    least, most = [], []
+    for step in PROFILED:
+        s, calls = truth_step(t, step), loss_calls(t, step)
+        assert len(calls) == 8
+        for mb in range(8):
+            forwards = [a for a in s["actions"] if a["op"] == "F" and a["mb"] == mb]
+            call = calls[len(truth["stage_ranks"]) - 1, mb]
+            least.append(sum(z["end_ns"] - z["start_ns"] for a in [*forwards, call] for z in a["sleeps"]) / 1e9)
+            most.append(sum(a["end_ns"] - a["start_ns"] for a in [*forwards, call]) / 1e9)
+    (stage,) = [x for x in measured.report["pipeline"]["stages"] if x["stage"] == measured.run.layout.coords(last).pp]
+    assert np.median(least) - 2.5e-4 <= stage["t_fwd_s"] <= np.median(most) + 2.5e-4, (
+        np.median(least), stage["t_fwd_s"], np.median(most))
 
 
 @pytest.mark.slow

@@ -29,15 +29,32 @@ def truth_step(truth: dict, step: int) -> dict:
     return next(s for s in truth["steps"] if s["step"] == step)
 
 
+def _work(truth: dict, step: int) -> list:
+    """The step's actions and its loss calls (the last stage's compute between them)."""
+    s = truth_step(truth, step)
+    return [*s["actions"], *s.get("losses", ())]
+
+
 def sleeps(truth: dict, step: int) -> list:
-    """(start, end) epoch ns of every sleep this rank logged in ``step``."""
-    return [(z["start_epoch_ns"], z["end_epoch_ns"]) for a in truth_step(truth, step)["actions"] for z in a["sleeps"]]
+    """(start, end) epoch ns of every sleep this rank logged in ``step`` (its passes' and
+    its loss calls')."""
+    return [(z["start_epoch_ns"], z["end_epoch_ns"]) for a in _work(truth, step) for z in a["sleeps"]]
 
 
 def passes(truth: dict, step: int) -> list:
     """(start, end) epoch ns of every pass (torch's forward_one_chunk, backward_one_chunk,
-    backward_weight_one_chunk, timed by the harness around them) this rank ran in ``step``."""
-    return [(a["start_epoch_ns"], a["end_epoch_ns"]) for a in truth_step(truth, step)["actions"]]
+    backward_weight_one_chunk, timed by the harness around them) and loss call this rank ran
+    in ``step``."""
+    return [(a["start_epoch_ns"], a["end_epoch_ns"]) for a in _work(truth, step)]
+
+
+def loss_calls(truth: dict, step: int) -> dict:
+    """(stage, mb) -> the logged loss call after that forward of the last stage: the j-th
+    loss of the step follows the j-th forward of the last stage."""
+    s = truth_step(truth, step)
+    last = len(truth["stage_ranks"]) - 1
+    forwards = [a for a in s["actions"] if a["op"] == "F" and a["stage"] == last]
+    return {(f["stage"], f["mb"]): call for f, call in zip(forwards, s.get("losses", ()))}
 
 
 def passes_and_own_work(truth: dict, step: int) -> list:

@@ -24,21 +24,23 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD_OPS, PP_SENDS, SEND_FWD, canonical,
+from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD, FWD_OPS, LOSS, PP_SENDS, SEND_FWD, canonical,
                      has_closed_form)
 from ..schedules.replay import PipelineTimes, action_programs, latency_free_ends, simulate
 from ..ingest.intervals import Intervals
 
 
 def microbatch_times(view) -> pd.DataFrame:
-    """One row per compute range of pipeline work: rank, stage, step, mb, chunk, op, dur_s."""
+    """One row per compute range of pipeline work: rank, stage, step, mb, chunk, op, dur_s.
+    A last stage's loss (``compute:loss``) is part of its microbatch's forward (as Megatron's
+    forward_step computes it): its time is added to that forward's ``dur_s``."""
     ev = view.events
     sel = ev[(ev["category"] == "compute") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
-             & ev["op"].isin(FWD_OPS + BWD_OPS) & (ev["step"] >= 0)]
+             & ev["op"].isin(FWD_OPS + BWD_OPS + (LOSS,)) & (ev["step"] >= 0)]
     if view.steps:
         sel = sel[sel["step"].isin(list(view.steps))]
     stage = {r: view.layout.coords(r).pp if r < view.layout.world_size else 0 for r in view.ranks}
-    return pd.DataFrame({
+    times = pd.DataFrame({
         "rank": sel["rank"].to_numpy(np.int64),
         "stage": sel["rank"].map(stage).to_numpy(np.int64),
         "step": sel["step"].to_numpy(np.int64),
@@ -49,6 +51,15 @@ def microbatch_times(view) -> pd.DataFrame:
         "end_ns": sel["end_ns"].to_numpy(np.int64),
         "dur_s": sel["dur_ns"].to_numpy(np.int64) / 1e9,
     })
+    is_loss = (times["op"] == LOSS).to_numpy()
+    if not is_loss.any():
+        return times
+    keys = ["rank", "step", "mb", "chunk"]
+    loss = times[is_loss].groupby(keys)["dur_s"].sum().rename("loss_s")
+    passes = times[~is_loss].merge(loss, left_on=keys, right_index=True, how="left")
+    fwd = (passes["op"] == FWD).to_numpy()
+    passes["dur_s"] += np.where(fwd, passes["loss_s"].fillna(0.0).to_numpy(), 0.0)
+    return passes.drop(columns="loss_s").reset_index(drop=True)
 
 
 def _per_microbatch(times: pd.DataFrame, ops) -> float:

@@ -9,6 +9,10 @@ its schedules go through (checked against torch 2.13):
   ``backward_one_chunk(full_backward=False)`` (the I of zero-bubble schedules) is
   ``bwd_input``, a full one ``bwd``. On stage 0 torch skips I (its input needs no grad) and
   its W runs the whole backward: the ranges show what ran where.
+- ``_PipelineSchedule._maybe_compute_loss`` on the last stage -> ``compute:loss mb=<mb>
+  chunk=<c>``: the loss forward runs there, between the stage's forward and its backward
+  (torchtitan's loss wrapper runs the output head and cross entropy in it); the analyses
+  count it as part of that microbatch's forward, as Megatron's forward_step computes it.
 - ``get_fwd_recv_ops`` / ``get_fwd_send_ops`` / ``get_bwd_recv_ops`` / ``get_bwd_send_ops``
   tag the P2POps they return; ``schedules._batch_p2p`` (every schedule posts through it,
   ``_sorted_batch_p2p`` included) opens one ``pp:send_fwd|recv_fwd|send_bwd|recv_bwd
@@ -46,7 +50,7 @@ from contextlib import nullcontext
 
 from ..instrument import region
 from ._requests import Open, Pending, nbytes
-from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LAYOUT_ORDERS, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
+from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LAYOUT_ORDERS, LOSS, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
 
 NAME = "torch.distributed.pipelining"
 _MODULE = "torch.distributed.pipelining"
@@ -69,6 +73,8 @@ _P2P = {
     "get_bwd_send_ops": (SEND_BWD, -1),
 }
 _SCHEDULE_CLASSES = ("PipelineScheduleSingle", "PipelineScheduleMulti")
+#: _PipelineSchedule._maybe_compute_loss(stage, output, target_mbs, mb_index): timed when torch has it
+_LOSS_PARAMS = {"stage", "mb_index"}
 _TAG_ATTR = "_pptrace_tags"
 
 
@@ -149,6 +155,9 @@ class PipeliningInstrumentation:
         for fn in _P2P:
             self._patch(base, fn, self._ops_hook)
         self._patch(schedules_module, "_batch_p2p", self._post_hook)
+        loss_owner = getattr(schedules_module, "_PipelineSchedule", None)
+        if _LOSS_PARAMS <= (_params(getattr(loss_owner, "_maybe_compute_loss", None)) or set()):
+            self._patch(loss_owner, "_maybe_compute_loss", self._loss_hook)
         for cls in _SCHEDULE_CLASSES:
             self._patch(getattr(schedules_module, cls), "step", self._step_hook)
 
@@ -207,6 +216,21 @@ class PipeliningInstrumentation:
                 self._fail(fn, exc)
         with scope:
             return original(*args, **kwargs)
+
+    def _loss_hook(self, fn, original, schedule, *args, **kwargs):
+        """The last stage's loss: compute of that stage between its forward and backward of
+        the microbatch (torchtitan runs its output head and cross entropy there)."""
+        scope = nullcontext()
+        if not self._broken:
+            try:
+                stage = args[0] if args else kwargs["stage"]
+                mb = args[3] if len(args) > 3 else kwargs["mb_index"]
+                if stage.is_last and getattr(schedule, "_loss_fn", None) is not None:
+                    scope = region(f"compute:{LOSS}", mb=mb, chunk=_local_chunk(stage, stage.stage_index))
+            except Exception as exc:  # noqa: BLE001 - never break the user's training
+                self._fail(fn, exc)
+        with scope:
+            return original(schedule, *args, **kwargs)
 
     def _ops_hook(self, fn, original, *args, **kwargs):
         ops = original(*args, **kwargs)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, PASS_OPS, SCHEDULES, canonical, has_closed_form
+from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LOSS, PASS_OPS, SCHEDULES, canonical, has_closed_form
 from ..schedules.replay import PipelineTimes, Timeline, action_programs, simulate
 from ..ingest import exchanges
 from ..ingest.lanes import lane_keys
@@ -81,7 +81,9 @@ def _typical_steps(run, notes: list) -> pd.Series:
 
 
 def _pipeline_ops(main: pd.DataFrame) -> pd.DataFrame:
-    compute = (main["category"] == "compute") & main["op"].isin(PASS_OPS)
+    """The passes and pipeline p2p of the main threads; a last stage's loss is replayed as
+    part of its microbatch's forward (analyzers/bubble.microbatch_times)."""
+    compute = (main["category"] == "compute") & main["op"].isin((*PASS_OPS, LOSS))
     p2p = (main["category"] == "p2p") & (main["kind"] == "pp")
     return main[(compute | p2p).to_numpy()]
 
@@ -333,7 +335,7 @@ def measure(run) -> Measured:
     if ops.empty:
         raise ValueError(f"{run.path}: no compute:fwd/bwd ranges in the profiled steps; nothing to replay")
     split = bool((ops["op"] == BWD_INPUT).any())
-    fwd = _stage_matrix(ops, [FWD], stage_of, p, m)
+    fwd = _stage_matrix(ops, [FWD, LOSS], stage_of, p, m)
     # a split run's full backward passes (some torch zero-bubble schedules mix them) count as B
     bwd = _stage_matrix(ops, [BWD_INPUT, BWD] if split else [BWD], stage_of, p, m)
     wgrad = _stage_matrix(ops, [BWD_WEIGHT], stage_of, p, m)
