@@ -77,9 +77,9 @@ def _one_line_errors(fn):
                 raise click.ClickException(f"cannot write standard output: {exc.strerror or exc}") from None
             if exc.filename is None:
                 raise _internal(exc) from None
-            raise click.ClickException(" ".join(str(exc).split())) from None
+            raise click.ClickException(_one_line(exc)) from None
         except (TraceError, ValueError) as exc:
-            raise click.ClickException(" ".join(str(exc).split())) from None
+            raise click.ClickException(_one_line(exc)) from None
         except Exception as exc:  # never a traceback for users; PPTRACE_DEBUG shows it
             raise _internal(exc) from None
         finally:
@@ -89,11 +89,18 @@ def _one_line_errors(fn):
     return wrapper
 
 
+def _one_line(exc: BaseException) -> str:
+    """An error as one line a terminal shows as it is (names in it may hold escapes)."""
+    from .export.tables import printable
+
+    return printable(" ".join(str(exc).split()))
+
+
 def _internal(exc: BaseException) -> click.ClickException:
     if os.environ.get("PPTRACE_DEBUG"):
         raise exc
     return click.ClickException(
-        f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())} "
+        f"internal error: {type(exc).__name__}: {_one_line(exc)} "
         "(set PPTRACE_DEBUG=1 for the traceback and please report it)"
     )
 
@@ -117,7 +124,9 @@ def _id_ranges(text: str | None, option: str) -> list[tuple[int, int]] | None:
         return None
     ranges = []
     for part in text.split(","):
-        a, _, b = part.strip().partition("-")
+        a, dash, b = part.strip().partition("-")
+        if dash and not b.strip():  # '0-' is no range (the end was lost), not rank 0
+            raise _BadOption(f"{option} {text!r}: {part.strip()} has no end; write {a.strip()}-N")
         try:
             lo, hi = int(a), int(b or a)
         except ValueError:
@@ -235,6 +244,7 @@ def info(run_dir: Path):
     from rich.markup import escape
     from rich.table import Table
 
+    from .export.tables import printable
     from .ingest.document import rank_of, read_header
     from .ingest.files import find_trace_files
     from .ingest.run import assign_ranks, layout_of
@@ -254,7 +264,7 @@ def info(run_dir: Path):
     # sizes), so that info never describes a directory analyze refuses
     by_rank = assign_ranks(found, problems)
     layout_of(by_rank, None, problems)
-    table = Table(title=f"{run_dir}", title_justify="left")
+    table = Table(title=escape(printable(run_dir)), title_justify="left")
     for col in ("rank", "coords", "steps", "schedule", "size", "file"):
         table.add_column(col, justify="right" if col in ("rank", "size") else "left")
     layouts = set()
@@ -270,7 +280,7 @@ def info(run_dir: Path):
             f"{steps[0]}-{steps[-1]}" if steps else "-",
             str(block.get("schedule") or "-"),
             _human_size(path.stat().st_size),
-            escape(path.name),
+            escape(printable(path.name)),
         )
     console = _console()
     console.print(table)
@@ -278,7 +288,7 @@ def info(run_dir: Path):
     for layout in sorted(layouts):
         console.print(f"layout: {layout}")
     for problem in problems:
-        console.print(f"[yellow]warning:[/] {escape(problem)}", soft_wrap=True)  # one line each, as analyze's
+        console.print(f"[yellow]warning:[/] {escape(printable(problem))}", soft_wrap=True)  # one line, as analyze's
 
 
 def _human_size(n: int) -> str:
@@ -436,8 +446,10 @@ def merge(run_dir: Path, steps_text, ranks_text, output, loading):
     run = _load(run_dir, *_filters(run_dir, ranks_text, steps_text), compact=False, **loading)
     path = merge_run(run, output)
     click.echo(f"merged {len(run.ranks)} ranks into {path}", err=_is_stdout(path))
+    from .export.tables import printable
+
     for warning in run.warnings:
-        click.echo(f"warning: {warning}", err=True)
+        click.echo(f"warning: {printable(warning)}", err=True)
 
 
 @cli.command()

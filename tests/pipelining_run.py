@@ -108,10 +108,10 @@ class Recorder:
         self.steps[-1].update(end_ns=ns, end_epoch_ns=epoch)
 
     @contextlib.contextmanager
-    def action(self, op: str, stage: int, chunk: int, mb: int):
+    def _timed(self, into: str, **fields):
+        """A span of the current step logged in its ``into`` list, the sleeps inside it with it."""
         ns, epoch = _now()
-        record = {"op": op, "stage": stage, "chunk": chunk, "mb": mb, "start_ns": ns,
-                  "start_epoch_ns": epoch, "sleeps": []}
+        record = {**fields, "start_ns": ns, "start_epoch_ns": epoch, "sleeps": []}
         outer, self._action = self._action, record
         try:
             yield
@@ -120,23 +120,16 @@ class Recorder:
             ns, epoch = _now()
             record.update(end_ns=ns, end_epoch_ns=epoch)
             if self.steps:
-                self.steps[-1]["actions"].append(record)
+                self.steps[-1][into].append(record)
 
-    @contextlib.contextmanager
+    def action(self, op: str, stage: int, chunk: int, mb: int):
+        """A compute action of the schedule (a pass), logged in the step's ``actions``."""
+        return self._timed("actions", op=op, stage=stage, chunk=chunk, mb=mb)
+
     def loss(self):
-        """A call of the loss function (the last stage's, after each forward), with the sleeps
-        inside it, logged in the step's ``losses``: compute, but no action of the schedule."""
-        ns, epoch = _now()
-        record = {"start_ns": ns, "start_epoch_ns": epoch, "sleeps": []}
-        outer, self._action = self._action, record
-        try:
-            yield
-        finally:
-            self._action = outer
-            ns, epoch = _now()
-            record.update(end_ns=ns, end_epoch_ns=epoch)
-            if self.steps:
-                self.steps[-1]["losses"].append(record)
+        """A call of the loss function (the last stage's, after each forward), logged in the
+        step's ``losses``: compute, but no action of the schedule."""
+        return self._timed("losses")
 
     def timed_p2p(self, fn):
         """``fn`` (torch's ``_batch_p2p`` or ``_wait_batch_p2p``) with each call's span logged

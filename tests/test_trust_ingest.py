@@ -353,3 +353,57 @@ def test_pptrace_outputs_in_a_trace_directory_are_skipped_with_a_warning(tmp_pat
     shutil.copy(traces / "sim_rank0.json.gz", alone / "rank0.json.gz")  # renamed: the metadata tells
     one_line_error(pptrace("analyze", alone), "rank0.json.gz", "pptrace whatif --trace")
     assert checksums(run_dir) == before
+
+
+# -------------------------------------------------------------------------------------------
+# Issue 25 item 4: a trace whose every event appears twice
+# -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["concatenated", "one copy beside"])
+def test_events_recorded_twice_are_dropped_with_one_warning(tmp_path, how):
+    """A bad concatenation or re-export repeats every complete event of a rank; the analyses
+    would count each range twice (theory fraction 0.27 -> 0.48 in the audit). The copies are
+    dropped and counted in one line; the numbers are the clean trace's."""
+    clean = _numbers(_report(pipeline_run(tmp_path / "clean", pp=2, gz=False)[0]))
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, gz=False)
+    path = run_dir / "traces" / "rank1.json"
+    doc = json.loads(path.read_bytes())
+    events = doc["traceEvents"]
+    complete = [e for e in events if e.get("ph") == "X" and e.get("dur", 0) > 0]
+    if how == "concatenated":
+        doc["traceEvents"] = events + complete
+    else:  # each copy right after its original
+        doc["traceEvents"] = [c for e in events for c in ([e, dict(e)] if e in complete else [e])]
+    path.write_text(json.dumps(doc))
+    before = checksums(run_dir)
+    r = pptrace("analyze", run_dir, "--json")
+    no_traceback(r)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert _numbers(report) == clean
+    (warning,) = report["warnings"]
+    assert "rank1.json" in warning and "recorded twice" in warning and f"{len(complete)} events" in warning
+    assert checksums(run_dir) == before
+
+
+# -------------------------------------------------------------------------------------------
+# Issue 25 item 9: terminal escapes and bidi overrides in file names
+# -------------------------------------------------------------------------------------------
+def test_control_characters_in_file_names_are_shown_written_out(tmp_path):
+    """A file name holding ESC [2J (clears the screen) or U+202E (reverses what follows) is
+    printed with the character written out, in the tables, the warnings and the errors."""
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2)
+    traces = run_dir / "traces"
+    (traces / "rank1.json.gz").rename(traces / "rank1\x1b[2J\u202e.json.gz")
+    (traces / "rank7\x1b]0;owned\x07.json").write_text("{not json")  # a broken one: a warning names it
+    before = checksums(run_dir)
+    for args in (("info", run_dir), ("analyze", run_dir)):
+        r = pptrace(*args)
+        no_traceback(r)
+        assert r.returncode == 0, r.stderr[-2000:]
+        for stream in (r.stdout, r.stderr):
+            assert not any(c in stream for c in "\x1b\x07\u202e"), repr(stream[-500:])
+        assert "rank7\\x1b]0;owned\\x07.json" in r.stdout + r.stderr
+    assert "rank1\\x1b[2J\\u202e.json.gz" in pptrace("info", run_dir).stdout
+    r = pptrace("analyze", traces / "rank7\x1b]0;owned\x07.json")  # the error names the file
+    assert r.returncode == 1 and "\x1b" not in r.stderr and "rank7\\x1b]0;owned\\x07.json" in r.stderr
+    assert checksums(run_dir) == before

@@ -106,6 +106,8 @@ def test_absurd_rank_and_step_lists_are_refused_at_once(run):
         (("--steps", "0-100000000"), ("--steps", "100000001 steps")),
         (("--steps", "3-1"), ("runs backwards", "1-3")),
         (("--ranks", "0-99999999999"), ("larger than any rank",)),
+        # issue 25 item 14: a range whose end was lost is refused, not read as its start
+        (("--ranks", "0-"), ("--ranks '0-'", "has no end", "0-N")),
     ]
     for option, words in cases:
         started = time.monotonic()

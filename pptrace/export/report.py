@@ -178,7 +178,7 @@ def print_report(report: dict, console, explain: bool = False) -> None:
     value (export/tables.py)."""
     from rich.markup import escape
 
-    from .tables import Col, print_table
+    from .tables import Col, print_table, printable
 
     shown: dict = {}
     run = report["run"]
@@ -259,7 +259,7 @@ def print_report(report: dict, console, explain: bool = False) -> None:
         console.print("No persistent straggler: no rank was late in most steps by more than the run's own "
                       "step-to-step spread.")
     for w in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(printable(w))}", highlight=False)
     print_legend(console, shown, explain)
 
 

@@ -22,6 +22,18 @@ from rich.cells import cell_len
 # rich's default box: one border per column plus one, and one space of padding on each side
 _BORDER, _PADDING = 1, 2
 
+#: Characters a terminal acts on instead of showing: C0 and C1 controls (ESC starts the
+#: sequences that clear a screen or retitle a window), DEL, and the bidi overrides and
+#: isolates that reorder what follows them. A file or event name holding one is shown
+#: with the character written out (\x1b), as Python's repr would.
+_UNPRINTABLE = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
+_UNPRINTABLE.update({c: f"\\u{c:04x}" for c in (*range(0x202a, 0x202f), *range(0x2066, 0x206a))})
+
+
+def printable(text) -> str:
+    """``text`` safe to print to a terminal: see :data:`_UNPRINTABLE`."""
+    return str(text).translate(_UNPRINTABLE)
+
 
 @dataclass(frozen=True)
 class Col:

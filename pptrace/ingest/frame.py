@@ -304,7 +304,35 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
         "dropped_steps": lost_steps,  # ProfilerStep ranges among the dropped events
         "folded": folded,
     }
-    return df[list(COLUMNS)].sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True), info
+    df = df[list(COLUMNS)].sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True)
+    df, info["duplicates"] = _drop_duplicates(df, path, warnings)
+    return df, info
+
+
+#: What makes two events the same one recorded twice: every field the table keeps of it.
+_IDENTITY = ("pid", "tid", "name", "cat", "start_ns", "dur_ns", "correlation", "external_id")
+
+
+def _drop_duplicates(df: pd.DataFrame, path, warnings: list) -> tuple[pd.DataFrame, int]:
+    """The table without exact copies of an event (a trace concatenated or exported twice
+    doubles every range, and the analyses would count each twice), and how many were
+    dropped, with one warning. Copies share a span, so after the sort only rows whose start
+    and end equal the previous row's are compared in full: nothing else to pay on a trace
+    without copies. Zero-length events are left alone (distinct ones can share an instant)."""
+    start, end = df["start_ns"].to_numpy(), df["end_ns"].to_numpy()
+    same = np.flatnonzero((start[1:] == start[:-1]) & (end[1:] == end[:-1]) & (end[1:] > start[1:]))
+    if not len(same):
+        return df, 0
+    rows = np.unique(np.r_[same, same + 1])
+    copies = rows[df.iloc[rows].duplicated(subset=list(_IDENTITY), keep="first").to_numpy()]
+    if not len(copies):
+        return df, 0
+    n = len(copies)
+    warnings.append(f"{path}: {n} event{'s' * (n > 1)} recorded twice (the same name, thread, start and duration: "
+                    "a trace concatenated or exported twice?); one copy of each is analyzed")
+    keep = np.ones(len(df), bool)
+    keep[copies] = False
+    return df[keep].reset_index(drop=True), n
 
 
 def _mark_absurd(start: np.ndarray, dur: np.ndarray, why: np.ndarray) -> None:

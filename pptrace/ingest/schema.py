@@ -83,7 +83,8 @@ from ..vocab import COMM_CATEGORIES, COMM_DIMS
 # 4: c10d send/recv posts carry their "Concrete Inputs" peer and tag, gloo p2p ranges bytes
 # 5: events with an impossible ts or dur dropped and counted (frame.py), not clamped
 # 6: the compact table: nested plain CPU ops folded (compact.py)
-SCHEMA_VERSION = 6
+# 7: exact copies of an event (a trace concatenated twice) dropped and counted (frame.py)
+SCHEMA_VERSION = 7
 
 CATEGORIES = (
     "compute", *COMM_CATEGORIES, "p2p", "wait", "step",
