@@ -314,6 +314,15 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
         with ExitStack() as stack:
             temporary = [stack.enter_context(replacing(path)) for path in paths]
             pio.write_images(list(figures.values()), temporary, width=1400, scale=1)
+            # kaleido deletes the file of a render that failed (a browser tab that timed out
+            # on a loaded machine) and may carry on: those get one more try, then one line
+            missing = [k for k, tmp in enumerate(temporary) if not tmp.exists() or not tmp.stat().st_size]
+            if missing:
+                pio.write_images([list(figures.values())[k] for k in missing], [temporary[k] for k in missing],
+                                 width=1400, scale=1)
+            missing = [paths[k].name for k, tmp in enumerate(temporary) if not tmp.exists() or not tmp.stat().st_size]
+            if missing:
+                raise ValueError(f"Chromium made no image for {', '.join(missing)} (twice)")
     except TraceError:
         raise
     except OSError as exc:  # the disk, not the browser: no Chromium hint

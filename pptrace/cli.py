@@ -246,7 +246,7 @@ def info(run_dir: Path):
 
     from .export.tables import printable
     from .ingest.document import rank_of, read_header
-    from .ingest.files import find_trace_files
+    from .ingest.files import find_trace_files, group_by_reason
     from .ingest.run import assign_ranks, layout_of
 
     files = find_trace_files(run_dir)
@@ -287,7 +287,7 @@ def info(run_dir: Path):
     console.print(f"ranks: {len(by_rank)} ({', '.join(map(str, sorted(by_rank)))})")
     for layout in sorted(layouts):
         console.print(f"layout: {layout}")
-    for problem in problems:
+    for problem in group_by_reason(problems):
         console.print(f"[yellow]warning:[/] {escape(printable(problem))}", soft_wrap=True)  # one line, as analyze's
 
 

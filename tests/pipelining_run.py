@@ -13,8 +13,8 @@
   it, so across ranks they bound the pipeline window of DESIGN contract 3), the closing
   all-reduce (``reduce_start`` / ``reduce_end``) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
   ``mb``, start/end) with the sleeps measured inside it (``kind`` fwd|bwd_input|bwd_weight),
-  in ``losses`` every call of the loss function (the last stage's, after each of its
-  forwards, in their order) with its sleep (``kind`` loss), and in ``p2p`` every call of
+  in ``losses`` every loss call of the last stage (torch's ``_maybe_compute_loss``, after
+  each of its forwards, in their order) with its sleep (``kind`` loss), and in ``p2p`` every call of
   torch's ``_batch_p2p`` (a post) and ``_wait_batch_p2p``.
   Every time is given twice: ``*_ns`` from ``perf_counter_ns`` and ``*_epoch_ns`` from
   ``time_ns`` (comparable with trace times: ``baseTimeNanoseconds + ts * 1000``). Also the
@@ -127,8 +127,8 @@ class Recorder:
         return self._timed("actions", op=op, stage=stage, chunk=chunk, mb=mb)
 
     def loss(self):
-        """A call of the loss function (the last stage's, after each forward), logged in the
-        step's ``losses``: compute, but no action of the schedule."""
+        """A loss call of the last stage (after each of its forwards), logged in the step's
+        ``losses``: compute, but no action of the schedule."""
         return self._timed("losses")
 
     def timed_p2p(self, fn):
@@ -243,11 +243,27 @@ def _make_loss(seconds: float):
     of a loss like torchtitan's, which runs the output head and cross entropy)."""
 
     def loss(output, target):
-        with RECORDER.loss():
-            RECORDER.sleep("loss", seconds)
-            return ((output - target) ** 2).mean()
+        RECORDER.sleep("loss", seconds)  # inside the loss call _time_losses logs
+        return ((output - target) ** 2).mean()
 
     return loss
+
+
+def _time_losses(schedules) -> None:
+    """Log every loss call of the last stage (torch's ``_maybe_compute_loss``) around torch's
+    own, and around pptrace's range of it: installed once pptrace.profile has patched it, so
+    the logged span holds the range (the most the loss can have taken)."""
+    owner = schedules._PipelineSchedule
+    original = owner.__dict__["_maybe_compute_loss"]
+
+    @functools.wraps(original)
+    def timed(self, stage, *args, **kwargs):
+        if not (stage.is_last and self._loss_fn is not None):
+            return original(self, stage, *args, **kwargs)
+        with RECORDER.loss():
+            return original(self, stage, *args, **kwargs)
+
+    owner._maybe_compute_loss = timed
 
 
 def _order_rows(actions, sends: bool = False) -> list:
@@ -364,6 +380,7 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
             setattr(torch_schedules, name, RECORDER.timed_p2p(getattr(torch_schedules, name)))
         prof, prof_step = _profiler(cfg, out, rank)
         with prof:
+            _time_losses(torch_schedules)
             for step in range(cfg["steps"]):
                 RECORDER.begin_step(step)
                 optimizer.zero_grad()

@@ -133,3 +133,10 @@ def test_merge_dashboard_and_whatif(gpipe_run, tmp_path):
     assert doc["predicted"]["step_time_s"] > 0 and len(doc["predicted"]["stages"]) == 2
     result = invoke("whatif", gpipe_run, "--schedule", "1f1b", "--vpp", "2")
     assert result.exit_code == 1 and result.output.startswith("Error:")
+    # --vpp alone switches the schedule, and says so (issue 25 item 14)
+    result = invoke("whatif", gpipe_run, "--vpp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["predicted"]["schedule"] == "interleaved"
+    assert any(n.startswith("--vpp 2 chunks per stage need the interleaved schedule") for n in doc["notes"]), doc["notes"]
+    assert "need the interleaved schedule" in " ".join(invoke("whatif", gpipe_run, "--vpp", "2").output.split())

@@ -407,3 +407,19 @@ def test_control_characters_in_file_names_are_shown_written_out(tmp_path):
     r = pptrace("analyze", traces / "rank7\x1b]0;owned\x07.json")  # the error names the file
     assert r.returncode == 1 and "\x1b" not in r.stderr and "rank7\\x1b]0;owned\\x07.json" in r.stderr
     assert checksums(run_dir) == before
+
+
+def test_thousands_of_empty_files_are_one_warning(tmp_path):
+    """Issue 25 item 14: 2,000 empty trace files beside two good ones are one problem, said
+    once with its count (in analyze and info alike), not 2,000 lines."""
+    clean = _numbers(_report(pipeline_run(tmp_path / "clean", pp=2)[0]))
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2)
+    for i in range(2, 2002):
+        (run_dir / "traces" / f"rank{i}.json").touch()
+    report = json.loads(pptrace("analyze", run_dir, "--json").stdout)
+    assert _numbers(report) == clean
+    empty = [w for w in report["warnings"] if "empty file" in w]
+    assert empty == ["skipped: 2000 files: empty file; the rank probably died before writing its trace "
+                     "(rank10.json, rank100.json, rank1000.json and 1997 more)"], empty
+    r = pptrace("info", run_dir)
+    assert r.returncode == 0 and sum("empty file" in line for line in r.stdout.splitlines()) == 1

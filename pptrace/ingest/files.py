@@ -106,3 +106,35 @@ def trace_size(path) -> int:
     except (OSError, TraceError):
         return 0
     return inflated if inflated >= size else 10 * size
+
+
+#: More files than this with one reason are said in one line (10,000 empty files are one
+#: problem, not 10,000 lines).
+GROUPED_AFTER = 3
+
+
+def group_by_reason(messages: list[str], prefix: str = "") -> list[str]:
+    """Messages "<trace file>: <reason>" (``prefix`` before them, e.g. "skipped: "), with
+    those of more than :data:`GROUPED_AFTER` files sharing a reason said once: "N files:
+    <reason> (a, b, c and N-3 more)". Other messages stay as they are, in their order."""
+    reasons: dict[str, list[str]] = {}
+    parsed = []
+    for text in messages:
+        body = text[len(prefix):] if text.startswith(prefix) else None
+        path, sep, reason = (body or "").partition(": ")
+        if body is None or not sep or not path.endswith(_TRACE_SUFFIXES):
+            parsed.append((text, None))
+            continue
+        reasons.setdefault(reason, []).append(path)
+        parsed.append((text, reason))
+    out, said = [], set()
+    for text, reason in parsed:
+        if reason is None or len(reasons[reason]) <= GROUPED_AFTER:
+            out.append(text)
+        elif reason not in said:
+            said.add(reason)
+            files = reasons[reason]
+            names = ", ".join(Path(f).name for f in files[:GROUPED_AFTER])
+            out.append(f"{prefix}{len(files)} files: {reason} ({names} and {len(files) - GROUPED_AFTER} more)")
+    return out
+

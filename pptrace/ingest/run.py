@@ -20,7 +20,7 @@ from .activity import activities
 from ..errors import TraceError
 from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
 from .document import rank_of, read_header
-from .files import find_trace_files
+from .files import find_trace_files, group_by_reason
 from .load import assemble, load_ranks
 from ..topology import Layout
 from .windows import profiled_steps
@@ -194,13 +194,13 @@ class Run:
 
 
 def _headers(files, warnings, cached: bool = True):
-    found = []
+    found, skipped = [], []
     for path in files:
         try:
             # what ranks and layout are told by (pptrace's traces have both before the events)
             header = read_header(path, cached=cached, enough=("pptrace", "distributedInfo"))
         except TraceError as exc:
-            warnings.append(f"skipped: {exc}")
+            skipped.append(f"skipped: {exc}")
             continue
         rank = _believable_rank(header, path, warnings)
         if rank is not False:
@@ -208,8 +208,9 @@ def _headers(files, warnings, cached: bool = True):
     if not found:
         raise TraceError(
             f"no readable trace among {len(files)} file(s) in {Path(files[0]).parent}: "
-            + "; ".join(w.removeprefix("skipped: ") for w in warnings[:2])
+            + "; ".join(w.removeprefix("skipped: ") for w in skipped[:2])
         )
+    warnings += group_by_reason(skipped, "skipped: ")
     return found
 
 
@@ -417,7 +418,7 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     order = sorted(by_rank)
     results, errors = load_ranks([(by_rank[r][0], r) for r in order], use_cache=use_cache,
                                  progress=progress, workers=workers, compact=compact, scheduler=scheduler)
-    warnings += [f"skipped: {e}" for e in errors]
+    warnings += group_by_reason([f"skipped: {e}" for e in errors], "skipped: ")
     tables, metas = [], {}
     for rank, result in zip(order, results):
         if result is not None:

@@ -535,6 +535,9 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
     measured = measure(run)
     times, notes = measured.times, list(measured.notes)
     target, v, m = _target(measured, times.m, schedule, vpp, microbatches)
+    if schedule is None and target != measured.schedule:
+        notes.append(f"--vpp {v} chunks per stage need the interleaved schedule: predicted with it "
+                     f"(the run used {measured.schedule}); give --schedule to choose another")
     drawn = times.latency_samples is not None
     n_replay = _replications(times.p, measured.vpp, times.m, replications, drawn, notes, "the measured schedule:",
                              "what-if cannot replay this run")
