@@ -127,10 +127,12 @@ class Truth:
 
         setattr(module, name, timed)
 
-    def time_p2p(self, communicator) -> None:
-        """Log each ``communicator._communicate`` call as a ``p2p`` frame, and each wait on
-        a handle it returns (overlap_p2p_comm: the schedule waits later, outside the call):
-        the spans a pass inferred from posts cannot reach into. The handles stay Megatron's
+    def time_p2p(self, p2p_module) -> None:
+        """Log each post (Megatron's ``_batched_p2p_ops`` / ``_p2p_ops``, which ``_communicate``
+        looks up at each call) and each wait on a request one returned (in ``_communicate``,
+        or later with overlap_p2p_comm) as a ``p2p`` frame: the spans a pass inferred from
+        posts cannot reach into. Not ``_communicate`` itself: its own work before its first
+        post (buffers for the recvs) lies in such a pass. The requests stay Megatron's
         (``_Timed`` passes every other attribute through)."""
         truth = self
 
@@ -148,16 +150,17 @@ class Truth:
             def __getattr__(self, name):
                 return getattr(self._work, name)
 
-        self.time_calls(communicator, "_communicate", "p2p")
-        timed = communicator._communicate
+        for name in ("_batched_p2p_ops", "_p2p_ops"):
+            self.time_calls(p2p_module, name, "p2p")
+            posted = getattr(p2p_module, name)
 
-        def with_timed_handles(*args, **kwargs):
-            out = timed(*args, **kwargs)
-            if isinstance(out, tuple) and out and isinstance(out[-1], dict):
-                out = (*out[:-1], {key: _Timed(work) for key, work in out[-1].items()})
-            return out
+            def with_timed_requests(*args, _posted=posted, **kwargs):
+                reqs = _posted(*args, **kwargs)
+                if isinstance(reqs, dict):
+                    return {key: _Timed(work) for key, work in reqs.items()}
+                return [_Timed(work) for work in reqs]
 
-        communicator._communicate = functools.wraps(timed)(with_timed_handles)
+            setattr(p2p_module, name, functools.wraps(posted)(with_timed_requests))
 
     def sleep(self, op: str, mb: int, chunk: int, seconds: float) -> None:
         start_ns, start_perf = time.time_ns(), time.perf_counter_ns()
@@ -258,6 +261,7 @@ def _worker(rank, world, out_dir, schedule, microbatches, steps, profile_steps, 
     if nvtx:
         _megatron_nvtx_on()
     _megatron_on_cpu()
+    from megatron.core.pipeline_parallel import p2p_communication
     from megatron.core.pipeline_parallel import schedules as megatron_schedules
     # What megatron/training/arguments.py builds for these flags: overlap_p2p_comm on for the
     # interleaved schedule only, batch_p2p_comm = not overlap_p2p_comm, deallocated outputs.
@@ -301,10 +305,9 @@ def _worker(rank, world, out_dir, schedule, microbatches, steps, profile_steps, 
         # as the rank ran it, the pptrace integration's own cost included.
         truth.time_calls(megatron_schedules, "forward_step", "fwd")
         truth.time_calls(megatron_schedules, "backward_step", "bwd")
-        # Every post runs in _communicate, and every wait in it or on a handle it returned:
-        # a pass inferred from a plain trace, which runs from one post to the next, lies
+        # A pass inferred from a plain trace runs from one post or wait to the next: it lies
         # within a frame stretched to the p2p spans on either side.
-        truth.time_p2p(megatron_schedules.P2PCommunicator)
+        truth.time_p2p(p2p_communication)
         for step in range(steps):
             truth.step = step
             start_ns, start_perf = time.time_ns(), time.perf_counter_ns()
