@@ -15,7 +15,7 @@ from pptrace.ingest.run import load_run
 from pptrace.schedules.replay import stage_program
 from pptrace.export.perfetto import write_simulated_trace
 from pptrace.whatif.predict import measure, whatif
-from sleep_runs import DELAYED_RANK, M, P
+from sleep_runs import DELAY_S, DELAYED_RANK, M, P
 from truth_checks import check_whatif_replay
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,11 @@ def test_no_straggler_predicts_the_run_without_the_delay(trainer_runs):
     actual = measure(trainer_runs["base"]).step_time_s
     tolerance = _prediction_tolerance(actual, SLEEP_THEORY_S["base"])
     assert _close(result["predicted"]["step_time_s"], actual, tolerance), (result["predicted"]["step_time_s"], actual)
-    assert result["measured"]["step_time_s"] > actual * 1.05  # the delay really cost time
+    # the delay really cost time: taking rank 2's 5 ms out of each of its forwards saves the
+    # run at least half of them (judged within the delayed run itself: the base run was made
+    # at another moment, under another load, and a busy worker once made it 410 ms to 421)
+    assert result["measured"]["step_time_s"] - result["predicted"]["step_time_s"] > 0.5 * M * DELAY_S, (
+        result["measured"]["step_time_s"], result["predicted"]["step_time_s"])
 
 
 def test_p2p_free_removes_the_transfer_time(trainer_runs):
