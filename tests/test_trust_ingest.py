@@ -423,3 +423,13 @@ def test_thousands_of_empty_files_are_one_warning(tmp_path):
                      "(rank10.json, rank100.json, rank1000.json and 1997 more)"], empty
     r = pptrace("info", run_dir)
     assert r.returncode == 0 and sum("empty file" in line for line in r.stdout.splitlines()) == 1
+
+
+def test_a_json_error_says_where_once(tmp_path):
+    """Issue 25 item 14: the parse error's position, once (the fallback parser's re-raise
+    added a second one, "line 1 column 1 (char 0)", which was wrong)."""
+    traces = tmp_path / "run" / "traces"
+    traces.mkdir(parents=True)
+    (traces / "rank0.json").write_text('{"traceEvents": [{"ph": "X", "name": "a", "ts": 1, "dur": 2, "pid": 1, "tid": 1},, ]}')
+    line = one_line_error(pptrace("analyze", tmp_path / "run"), "rank0.json", "not valid JSON", "line 1 column 82")
+    assert line.count("line ") == 1 and "char 0" not in line, line

@@ -156,7 +156,8 @@ def _loads(blob: bytes, path: Path, warnings: list, fixes=("deep", "utf8")):
     try:
         return orjson.loads(blob)
     except orjson.JSONDecodeError as exc:
-        message = str(exc)
+        error = exc
+    message = str(error)
     if "utf8" in fixes and ("UTF-8" in message or "utf-8" in message):
         warnings.append(f"{path}: invalid UTF-8 in the trace; bad bytes replaced by U+FFFD")
         fixed = blob.decode("utf-8", "replace").encode("utf-8")
@@ -164,7 +165,7 @@ def _loads(blob: bytes, path: Path, warnings: list, fixes=("deep", "utf8")):
     try:
         return json.loads(blob)
     except (ValueError, RecursionError):
-        raise orjson.JSONDecodeError(message, "", 0) from None
+        raise error from None  # orjson's, which says where (a new one would add "char 0")
 
 
 def _last_byte(data: bytes, start: int, end: int) -> bytes:
