@@ -15,7 +15,7 @@ from pptrace.analyzers.critical_path import critical_path
 from pptrace.analyzers.p2p import match_pairs, split_by_rank
 from pptrace.ingest.exchanges import exchange_ids
 from pptrace.topology import Layout
-from pptrace.whatif import predict
+from pptrace.whatif import costs, predict
 from tracegen import US, run_from_docs, trace_doc
 
 LAYOUT = Layout(pp=2)
@@ -57,7 +57,7 @@ def _same_exchanges_everywhere(run) -> tuple:
     path = critical_path(run, 1)
     assert _groups(by_pairs, label) == _groups(path.exchanges.to_dict(), label)
     ops = predict._pipeline_ops(predict._main_events(run))
-    lat = predict._exchange_latencies(run, run.steps, ops, {0: 0, 1: 1})
+    lat = costs.exchange_latencies(run, run.steps, ops, {0: 0, 1: 1})
     # what-if observes whole exchanges: every observation is one of the pairs' exchanges
     assert set(lat["exchange"]) <= set(by_pairs.values()) and lat["exchange"].is_unique
     members = {}
@@ -142,7 +142,7 @@ def test_overlapped_forward_and_backward_exchanges_stay_apart(tmp_path):
     # the what-if host gap counts each op's end: B ended 340 -> backward exchange posted 345,
     # forward exchange waited 360 -> F 365; rank 1 has nothing between its ops
     ops = predict._pipeline_ops(predict._main_events(run))
-    assert predict._overhead(ops) == pytest.approx(5e-6)
+    assert costs.overhead(ops) == pytest.approx(5e-6)
 
 
 def test_overlapped_exchanges_on_the_critical_path(tmp_path):

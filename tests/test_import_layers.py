@@ -26,7 +26,7 @@ LAYERS = (
     # import: one trace file -> one rank's table
     ("ingest", ("pptrace/ingest/__init__.py", "pptrace/ingest/schema.py", "pptrace/ingest/lanes.py",
                 "pptrace/ingest/memory.py", "pptrace/ingest/megatron_names.py", "pptrace/ingest/compact.py",
-                "pptrace/ingest/nccl.py", "pptrace/ingest/frame.py", "pptrace/ingest/files.py",
+                "pptrace/ingest/nccl.py", "pptrace/ingest/p2p_args.py", "pptrace/ingest/frame.py", "pptrace/ingest/files.py",
                 "pptrace/ingest/columnar.py", "pptrace/ingest/store.py", "pptrace/ingest/document.py",
                 "pptrace/ingest/cluster.py", "pptrace/ingest/load.py", "pptrace/ingest/comm_kernels.py")),
     # query primitives over an events table

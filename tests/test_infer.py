@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pptrace.ingest import infer
-from pptrace.ingest.frame import p2p_args
+from pptrace.ingest.p2p_args import p2p_args
 from pptrace.ingest.run import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run

@@ -8,18 +8,17 @@ finished table.
 from __future__ import annotations
 
 
-import math
 import re
 from itertools import compress
 from operator import attrgetter
 
 import msgspec
 import numpy as np
-import orjson
 import pandas as pd
 
 from .compact import foldable_names, nested_cpu_ops
 from .nccl import infer_nccl_p2p, link_nccl_kernels
+from .p2p_args import add_p2p_args, p2p_positions, raw_value, p2p_args
 from .schema import (
     COLUMNS, GPU_CATS, NULLABLE_INT_COLUMNS, TAG_COLUMNS, RawArgs, RawEvent, classify, profiler_step_number,
 )
@@ -292,7 +291,7 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
         df.loc[no_stream, "stream"] = df.loc[no_stream, "tid"].to_numpy()
     _add_lanes(df, gpu, main_tid, threads)
     _add_rpc(df, rpc)
-    _add_p2p_args(df, p2p)
+    add_p2p_args(df, p2p)
     link_nccl_kernels(df)
     _add_steps(df, gpu)
     infer_nccl_p2p(df, rank, warnings)  # plain NCCL traces: send/recv -> pp rows
@@ -410,7 +409,7 @@ def _extract_dicts(events: list, cols: dict, rpc: dict, threads: dict, n_before:
     cols["external_id"] = [a.get("External id") for a in args]
     for i in [i for i, a in enumerate(args) if "Collective name" in a]:
         rpc[n_before + i] = args[i]
-    for i in _p2p_positions(cols["name"]):
+    for i in p2p_positions(cols["name"]):
         a = args[i]
         p2p[n_before + i] = p2p_args(cols["name"][i], a.get("Concrete Inputs"), a.get("Input Dims"), a.get("Input type"))
     return x_index, ts, [e.get("dur") for e in xs], foreign
@@ -445,12 +444,12 @@ def _extract_structs(events: list, cols: dict, rpc: dict, threads: dict, n_befor
     if collective.count(unset) != len(collective):
         for i in [i for i, c in enumerate(collective) if c is not unset]:
             rpc[n_before + i] = {key: getattr(args[i], attr) for key, attr in _RPC_ATTRS}
-    for i in _p2p_positions(name):
+    for i in p2p_positions(name):
         a = args[i]
         if name[i].startswith("c10d::"):  # only what each kind of row uses is decoded
-            p2p[n_before + i] = p2p_args(name[i], _raw_value(a.concrete), None, None)
+            p2p[n_before + i] = p2p_args(name[i], raw_value(a.concrete), None, None)
         else:
-            p2p[n_before + i] = p2p_args(name[i], None, _raw_value(a.input_dims), _raw_value(a.input_type))
+            p2p[n_before + i] = p2p_args(name[i], None, raw_value(a.input_dims), raw_value(a.input_type))
     return None, ts, dur, foreign
 
 
@@ -556,86 +555,6 @@ def _add_rpc(df: pd.DataFrame, rpc: dict) -> None:
             if len(rows):
                 codes[rows] = small.codes
             df[column] = pd.Categorical.from_codes(codes, dtype=small.dtype)
-
-
-# -------------------------------------------------------------------------------------------
-# p2p ops of plain traces: what torch writes on them with record_shapes=True
-# -------------------------------------------------------------------------------------------
-#: The host ops of a c10d p2p op: the post (``c10d::send`` / ``c10d::recv_``, whose
-#: "Concrete Inputs" are ["", "", "<peer group rank>", "<tag>"]) and gloo's range from the
-#: post until wait() returns ("Input Dims" / "Input type" give the message size).
-P2P_OP_NAMES = frozenset({"c10d::send", "c10d::recv_", "gloo:send", "gloo:recv"})
-#: torch.profiler's "Input type" names -> bytes per element
-DTYPE_BYTES = {
-    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
-    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
-    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
-}
-
-
-def _p2p_positions(names: list) -> list:
-    """Positions of P2P_OP_NAMES in a slice's names (set lookups in C: this runs per event)."""
-    try:
-        return list(compress(range(len(names)), map(P2P_OP_NAMES.__contains__, names)))
-    except TypeError:  # an unhashable name (a list): test value by value
-        return [i for i, n in enumerate(names) if type(n) is str and n in P2P_OP_NAMES]
-
-
-def _raw_value(raw):
-    if not raw:
-        return None
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return None
-
-
-def _small_int(text):
-    if type(text) is int:
-        return text
-    if type(text) is str and text.strip().lstrip("-").isdigit():
-        return int(text)
-    return None
-
-
-def p2p_args(name: str, concrete, dims, types) -> dict | None:
-    """What a p2p op's args say: {"group_peer", "tag"} of a c10d post, {"bytes"} of a gloo
-    range; None when the args are absent (record_shapes=False) or odd."""
-    if name.startswith("c10d::"):
-        if not isinstance(concrete, list) or len(concrete) < 4:
-            return None
-        peer, tag = _small_int(concrete[2]), _small_int(concrete[3])
-        return None if peer is None else {"group_peer": peer, "tag": 0 if tag is None else tag}
-    if not (isinstance(dims, list) and isinstance(types, list)) or not dims or len(dims) != len(types):
-        return None
-    total = 0
-    for shape, dtype in zip(dims, types):
-        size = DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
-        if size is None or not isinstance(shape, list) or not all(type(d) is int for d in shape):
-            return None
-        total += size * math.prod(shape)
-    return {"bytes": total}
-
-
-def _add_p2p_args(df: pd.DataFrame, p2p: dict) -> None:
-    """c10d posts get tags {"group_peer": g, "tag": t} (the peer is a rank of the op's process
-    group, which the trace does not name: pptrace.ingest.infer maps it to a global rank); gloo
-    ranges get ``bytes``."""
-    found = {row: args for row, args in p2p.items() if args}
-    if not found:
-        return
-    sized = {row: a["bytes"] for row, a in found.items() if "bytes" in a}
-    if sized:
-        col = df["bytes"].copy()
-        col.iloc[list(sized)] = list(sized.values())
-        df["bytes"] = col
-    peers = {row: orjson.dumps(a, option=orjson.OPT_SORT_KEYS).decode() for row, a in found.items() if "group_peer" in a}
-    if peers:
-        tags = df["tags"].cat.add_categories(sorted(set(peers.values()) - set(df["tags"].cat.categories)))
-        values = pd.Series(list(peers.values()), dtype=tags.dtype)
-        codes = tags.cat.codes.to_numpy().copy()
-        codes[list(peers)] = values.cat.codes.to_numpy()
-        df["tags"] = pd.Categorical.from_codes(codes, dtype=tags.dtype)
 
 
 def _add_steps(df: pd.DataFrame, gpu: np.ndarray) -> None:

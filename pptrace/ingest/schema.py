@@ -199,7 +199,7 @@ class RawArgs(msgspec.Struct, gc=False):
     dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
     name: Any = None  # thread_name metadata events
     # record_shapes=True puts these on every op; kept as raw JSON (no objects built) and
-    # decoded only for the few p2p rows (P2P_OP_NAMES) that need them
+    # decoded only for the few p2p rows (p2p_args.P2P_OP_NAMES) that need them
     concrete: msgspec.Raw = msgspec.field(default=_NO_RAW, name="Concrete Inputs")
     input_dims: msgspec.Raw = msgspec.field(default=_NO_RAW, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default=_NO_RAW, name="Input type")
