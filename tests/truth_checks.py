@@ -131,14 +131,18 @@ def megatron_frames(truth: dict, step: int) -> list:
     return [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] != "p2p"]
 
 
-def _stretched_to_calls(spans: list, calls: list) -> list:
+def _stretched_to_calls(spans: list, calls: list, bounds: tuple | None = None) -> list:
     """Each span stretched to the end of the p2p call before it and the start of the one
-    after it: the most a pass inferred between posts can span."""
+    after it: the most a pass inferred between posts can span. ``bounds``: the schedule
+    call, where a span with no call before (after) it stretches to (the first stage's first
+    forward takes in the schedule's set-up before it, the last backward its wind-down)."""
     out = []
+    lo, hi = bounds if bounds is not None else (None, None)
     for start, end in spans:
         before = [e for _, e in calls if e <= start]
         after = [s for s, _ in calls if s >= end]
-        out.append((max(before, default=start), min(after, default=end)))
+        out.append((max(before, default=start if lo is None else min(lo, start)),
+                    min(after, default=end if hi is None else max(hi, end))))
     return out
 
 
@@ -151,9 +155,9 @@ def passes_to_posts(truth: dict, step: int) -> list:
 
 def megatron_frames_to_posts(truth: dict, step: int) -> list:
     """Each frame stretched to the p2p calls beside it (a ``_communicate`` call, or a wait on
-    a handle it returned)."""
+    a handle it returned), else to the schedule call's bounds."""
     calls = [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] == "p2p"]
-    return _stretched_to_calls(megatron_frames(truth, step), calls)
+    return _stretched_to_calls(megatron_frames(truth, step), calls, _megatron_schedule_call(truth, step)[0])
 
 
 def megatron_frames_and_own_work(truth: dict, step: int) -> list:

@@ -47,7 +47,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from .intervals import union
-from .lanes import lane_keys
+from .lanes import inside, lane_keys
 from .passes import SUB_ACTION, infer_passes
 from .schema import tags_of
 from ..topology import Layout
@@ -60,6 +60,10 @@ _GPIPE = re.compile(r"^(Forward|Backward) (\d+)$")
 _POSTS = {"c10d::send": True, "c10d::recv_": False}
 _WIRES = {"gloo:send": True, "gloo:recv": False}
 _AUTOGRAD = "autograd::engine::evaluate_function"
+#: torch.optim's profiler ranges around every optimizer's step and zero_grad
+#: (``Optimizer.zero_grad#SGD.zero_grad``): their ops are no pass's, even where no p2p post
+#: parts them from the first stage's first forward
+_OPTIMIZER = "Optimizer."
 _DIR = {"F": "fwd", "B": "bwd"}
 #: pg_desc of a process group -> the dim it spans (Megatron's group names, DeviceMesh's)
 _GROUP_DESC = {
@@ -90,7 +94,7 @@ class Inference:
 # -------------------------------------------------------------------------------------------
 def _name_table(names: pd.Index) -> pd.DataFrame:
     """One row per distinct event name: what it says (kind: pass, overlap, gpipe, pp_p2p,
-    post, wire, autograd or "" for nothing), stage, action letter, mb, is_send."""
+    post, wire, autograd, optimizer or "" for nothing), stage, action letter, mb, is_send."""
     rows = []
     for name in names:
         kind, stage, act, mb, send = "", -1, "", -1, False
@@ -103,6 +107,8 @@ def _name_table(names: pd.Index) -> pd.DataFrame:
             kind, send = "wire", _WIRES[name]
         elif name.startswith(_AUTOGRAD):
             kind = "autograd"
+        elif name.startswith(_OPTIMIZER):
+            kind = "optimizer"
         elif name.startswith("PP:"):
             if m := _PASS.match(name):
                 kind, stage, act, mb = "pass", int(m.group(1)), m.group(2), int(m.group(3))
@@ -170,10 +176,13 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None) -
     if stage_of is not None:
         ops = _directions(ops, stage_of, pp)
     ops.attrs["pp"] = pp
-    not_work = np.isin(kind, ["post", "wire", "pp_p2p", "pass", "gpipe", "overlap", "pp_other"])
+    not_work = np.isin(kind, ["post", "wire", "pp_p2p", "pass", "gpipe", "overlap", "pp_other", "optimizer"])
     is_step = (events["category"] == "step").to_numpy()
     work = events.loc[main & ~not_work & ~is_step, ["rank", "pid", "tid", "start_ns", "end_ns"]]
     work = work.assign(auto=kind[main & ~not_work & ~is_step] == "autograd")
+    optimizer = events.loc[main & (kind == "optimizer"), ["rank", "start_ns", "end_ns"]]
+    work = work[~inside(*(work[c].to_numpy() for c in ("rank", "start_ns", "end_ns")),
+                        *(optimizer[c].to_numpy() for c in ("rank", "start_ns", "end_ns")))]
     steps = events.loc[main & is_step, ["rank", "step", "start_ns", "end_ns"]]
     passes = infer_passes(rows, ops, work, steps, pp or 1)
     passes = _schedule(rows, passes, stage_of, pp, v, out)

@@ -92,3 +92,20 @@ def dominance_max(p_group, p_lo, p_hi, p_w, q_group, q_lo, q_hi) -> np.ndarray:
         right >>= 1
         level += 1
     return out
+
+
+def inside(lane, start, end, o_lane, o_start, o_end) -> np.ndarray:
+    """Per row (``lane``, ``start``, ``end``): whether it lies inside one of the outer spans
+    of its lane (``o_*``; on one lane those nest or are disjoint, as one thread's ranges)."""
+    lane, start, end = (np.asarray(a, np.int64) for a in (lane, start, end))
+    if not len(o_start) or not len(start):
+        return np.zeros(len(start), bool)
+    order = np.lexsort((np.asarray(o_start, np.int64), np.asarray(o_lane, np.int64)))
+    o_lane = np.asarray(o_lane, np.int64)[order]
+    o_s_key, o_e_key, s_key, e_key = lane_keys([o_lane, o_lane, lane, lane],
+                                               [np.asarray(o_start, np.int64)[order],
+                                                np.asarray(o_end, np.int64)[order], start, end])
+    reach = np.maximum.accumulate(o_e_key)  # a lane's keys exceed those before it: stays in its lane
+    j = np.searchsorted(o_s_key, s_key, side="right") - 1
+    k = np.clip(j, 0, None)
+    return (j >= 0) & (o_lane[k] == lane) & (e_key <= reach[k])

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from .lanes import lane_keys
+from .lanes import inside, lane_keys
 from ..vocab import BWD, FWD, OP_OF_ACTION
 
 #: One sub-action of an overlapped pass name, ``<stage><F|B|I|W><mb>``.
@@ -184,15 +184,7 @@ def _ops_passes(ranks: np.ndarray, steps: pd.DataFrame, posts: pd.DataFrame, wor
         & (cut_k[iv + 1] != 0)
     # an op is backward when it is an autograd op or inside one (of its rank)
     is_auto = work["auto"].to_numpy(bool)
-    a_order = np.lexsort((ws[is_auto], w_r[is_auto]))
-    a_r, a_s, a_e = w_r[is_auto][a_order], ws[is_auto][a_order], we[is_auto][a_order]
-    in_auto = np.zeros(len(ws), bool)
-    if len(a_s):
-        a_s_key, a_e_key, s_key, e_key = lane_keys([a_r, a_r, w_r, w_r], [a_s, a_e, ws, we])
-        reach = np.maximum.accumulate(a_e_key)  # a rank's keys exceed those before: stays in its rank
-        j = np.searchsorted(a_s_key, s_key, side="right") - 1
-        k = np.clip(j, 0, None)
-        in_auto = (j >= 0) & (a_r[k] == w_r) & (e_key <= reach[k])
+    in_auto = inside(w_r, ws, we, w_r[is_auto], ws[is_auto], we[is_auto])
     iv, ws, we, in_auto = iv[ok], ws[ok], we[ok], in_auto[ok]
     if not len(iv):
         return pd.DataFrame()
