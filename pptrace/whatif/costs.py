@@ -82,8 +82,9 @@ def eager_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
     """One latency per p2p message for a replay with eager sends (torch's runtime schedules
     post a send and wait on it later; a recv ends once its message landed): from the send's
     post to the recv's end. Exact when the recv waited for it: it was posted before the send,
-    or it lasted over :data:`WAITED_FACTOR` times a recv's own cost (the median recv posted
-    well after its send). Otherwise the message had landed before the recv was posted, and
+    or, posted within 4 typical latencies of it, it lasted over :data:`WAITED_FACTOR` times a
+    recv's own cost (the median recv posted later than that, which found its message there).
+    Otherwise the message had landed before the recv was posted, and
     that span is only an upper bound: such a message gets the median of the distribution
     below its bound (reverse Kaplan-Meier over all of them), not the bound, which would
     count the receiver's own lateness as latency, nor the recv's own span, which would drop
@@ -103,10 +104,14 @@ def eager_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
     bound = np.maximum(recv_end - send_start, 0)[quiet].astype(float)
     lasted = (recv_end - recv_start)[quiet].astype(float)
     before = (recv_start <= send_start)[quiet]
-    # a recv posted long after its send (beyond 4 typical bounds) found its message there
-    landed = (recv_start - send_start)[quiet] > 4 * np.median(bound)
+    # a recv posted long after its send (beyond 4 typical latencies) found its message there;
+    # typical: of the recvs posted first, whose bound is exact (the bounds of late recvs
+    # hold their lateness: a few posted 20-50 ms late made a recv's own cost look like a wait)
+    typical = np.median(bound[before]) if before.any() else np.median(bound)
+    landed = (recv_start - send_start)[quiet] > 4 * typical
     cost = float(np.median(lasted[landed])) if landed.any() else float(np.percentile(lasted, 10))
-    exact = before | (lasted > WAITED_FACTOR * cost)
+    # a landed recv's span is its own cost, however it varied (0.1-0.8 ms on a quiet box)
+    exact = before | (~landed & (lasted > WAITED_FACTOR * cost))
     latency = bound
     if (~exact).any() and exact.any():
         support, cdf = left_censored_cdf(bound, exact)
