@@ -316,6 +316,8 @@ class PipelineTimes:
     overhead_s: float = 0.0
     latency_samples: np.ndarray | None = None
     post_s: float = 0.0
+    #: eager sends: the host time a recv takes when its message has already landed
+    recv_s: float = 0.0
 
     def __post_init__(self):
         self.fwd, self.bwd, self.wgrad = (np.asarray(a, dtype=float) for a in (self.fwd, self.bwd, self.wgrad))
@@ -335,8 +337,9 @@ class PipelineTimes:
             self.latency_samples = np.asarray(self.latency_samples, dtype=float).ravel()
             if not self.latency_samples.size or np.any(self.latency_samples < 0):
                 raise ValueError("latency_samples must be a non-empty array of times >= 0")
-        if self.overhead_s < 0 or self.post_s < 0:
-            raise ValueError(f"overhead_s and post_s must be >= 0, got {self.overhead_s} and {self.post_s}")
+        if self.overhead_s < 0 or self.post_s < 0 or self.recv_s < 0:
+            raise ValueError(f"overhead_s, post_s and recv_s must be >= 0, got {self.overhead_s}, {self.post_s} "
+                             f"and {self.recv_s}")
 
     @property
     def p(self) -> int:
@@ -421,7 +424,7 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
         raise ValueError(f"{len(programs)} programs for {p} stages")
     split_w = schedule == "zb-h1"
     rows = replay(programs, lambda op, stage: _duration(op, times, stage, split_w, v), _latency_model(times, rng),
-                  sends, times.overhead_s, times.post_s, name=schedule)
+                  sends, times.overhead_s, times.post_s, name=schedule, recv=times.recv_s)
     ops = pd.DataFrame(rows, columns=["stage", "kind", "mb", "chunk", "start_s", "end_s", "transfer_s"])
     makespan = float(ops["end_s"].max()) if len(ops) else 0.0
     compute = ops[ops["kind"] != "comm"].assign(d=lambda d: d.end_s - d.start_s).groupby("stage")["d"].sum()
@@ -434,10 +437,11 @@ def simulate(schedule: str, times: PipelineTimes, vpp: int = 1, sends: str = "re
 
 
 def replay(programs: list, duration, latency, sends: str = "rendezvous", overhead=0, post=0,
-           name: str = "replay") -> list[tuple]:
+           name: str = "replay", recv=0) -> list[tuple]:
     """The engine: run every program against the others. ``duration(op, stage)``: a pass's
     or run's time; ``latency(msg)``: a message's, from the later of its two posts; ``overhead``
-    follows every op (host time), ``post`` every op posted to be waited later. -> rows
+    follows every op (host time), ``post`` every op posted to be waited later, ``recv`` (eager
+    sends) is the least a wait holding a recv takes, its message landed or not. -> rows
     (stage, kind, mb, chunk, start, end, transfer), an exchange's from its post to its end.
     Raises ValueError on a deadlock. Times are in whatever unit the durations are."""
     if sends not in SEND_MODES:
@@ -473,6 +477,8 @@ def replay(programs: list, duration, latency, sends: str = "rendezvous", overhea
                     if any(t is None for t in partner):
                         break  # blocked until the peers reach their side
                     end = max(start, _exchange_end(msgs, t_post, partner, latency, sends))
+                    if recv and sends == "eager" and not all(msg.is_send for msg in msgs):
+                        end = max(end, start + recv)
                     # Moving data = the blocked part after both sides were there; the rest was waiting.
                     last_match = max(max(t_post, t) for t in partner)
                     rows.append((s, "comm", -1, 0, t_post, end, max(0.0, end - max(start, last_match))))

@@ -120,8 +120,12 @@ def eager_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
         latency = bound.copy()
         latency[~exact] = np.minimum(median_below, bound[~exact])
     link = list(zip(pairs["src"].map(stage_of)[quiet], pairs["dst"].map(stage_of)[quiet]))
-    return pd.DataFrame({"rank": dst[quiet], "exchange": np.flatnonzero(quiet), "link": link,
-                         "latency_ns": latency}, columns=columns)
+    out = pd.DataFrame({"rank": dst[quiet], "exchange": np.flatnonzero(quiet), "link": link,
+                        "latency_ns": latency}, columns=columns)
+    # what a recv costs when its message is there (PipelineTimes.recv_s): on a loaded box
+    # ms, not the quiet 0.3, and paid by every recv the replay makes
+    out.attrs["recv_ns"] = cost if landed.any() else 0.0
+    return out
 
 
 def latency_of(observed: pd.DataFrame, p: int) -> tuple[np.ndarray, np.ndarray | None]:

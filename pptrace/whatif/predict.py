@@ -157,8 +157,10 @@ def measure(run) -> Measured:
     # torch's runtime schedules are replayed with eager sends (_replicated), whose latency
     # runs from the send's post
     observe = exchange_latencies if programs is None else eager_latencies
-    latency, samples = latency_of(observe(run, steps.index, ops, stage_of), p)
-    times = PipelineTimes(fwd, bwd, wgrad, latency, overhead(ops), samples, post_s=post_cost(main))
+    observed = observe(run, steps.index, ops, stage_of)
+    latency, samples = latency_of(observed, p)
+    times = PipelineTimes(fwd, bwd, wgrad, latency, overhead(ops), samples, post_s=post_cost(main),
+                          recv_s=float(observed.attrs.get("recv_ns", 0.0)) / 1e9)
 
     spans = run.pipeline_windows
     window = pd.Series({s: spans[s][1] - spans[s][0] for s in steps.index if s in spans}, dtype="float64")
