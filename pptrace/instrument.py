@@ -7,12 +7,16 @@ the ``pptrace`` metadata block (contract 2).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import operator
 import os
 import socket
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,8 +26,9 @@ import torch
 from .integrations import DEFAULT as DEFAULT_INTEGRATIONS
 from .integrations import instrument_all, merged_metadata, remove_all
 from .naming import format_name, parse_name
-from .output import replacing
+from .output import cannot_write, replacing
 from .topology import Layout
+from .vocab import RANGE_KINDS
 
 METADATA_KEY = "pptrace"
 METADATA_VERSION = 1
@@ -37,7 +42,8 @@ def _check_name(name: str) -> None:
     parsed = parse_name(name)
     if parsed is None:
         raise ValueError(
-            f"region name {name!r} is not '<kind>:<op> [key=value ...]' (see DESIGN.md contract 1)"
+            f"region name {name!r} is not '<kind>:<op> [key=value ...]', e.g. 'pp:send_fwd peer=1 mb=0' "
+            f"(kinds: {', '.join(RANGE_KINDS)})"
         )
     _PARSED_NAMES[name] = parsed
 
@@ -133,18 +139,27 @@ class region:
 # --------------------------------------------------------------------------------------
 
 
+def _step_number(value) -> int:
+    # operator.index, not int(): int() would turn 1.7 into step 1 and True into step 1
+    if isinstance(value, bool):
+        raise TypeError(value)
+    return operator.index(value)
+
+
 def parse_steps(steps) -> tuple[int, int]:
     """``"2-4"``, ``(2, 4)`` (inclusive), ``range(2, 5)`` or ``3`` -> ``(first, last)``."""
     try:
         if isinstance(steps, range):
+            if steps.step != 1:
+                raise ValueError(steps)
             first, last = steps.start, steps.stop - 1
-        elif isinstance(steps, int):
-            first = last = steps
         elif isinstance(steps, str):
             a, _, b = steps.partition("-")
             first, last = int(a), int(b or a)
+        elif hasattr(steps, "__index__"):
+            first = last = _step_number(steps)
         else:
-            first, last = (int(x) for x in steps)
+            first, last = (_step_number(x) for x in steps)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"steps {steps!r} must look like 'A-B', (A, B), range(A, B+1) or A") from exc
     if first < 0 or last < first:
@@ -211,6 +226,25 @@ def _without_kineto_markers():
                 break
 
 
+def _as_layout(layout) -> Layout | None:
+    if layout is None or isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, Mapping):
+        # Layout.from_dict skips keys it does not know; from a user, {"pipeline": 4} is a typo
+        known = [f.name for f in dataclasses.fields(Layout)]
+        unknown = [str(key) for key in layout if key not in known]
+        if unknown:
+            raise ValueError(f"layout {dict(layout)!r}: unknown key {', '.join(unknown)}; "
+                             f"expected some of {', '.join(known)}")
+        return Layout.from_dict(layout)
+    raise ValueError(f"layout {layout!r} must be a pptrace.Layout or a mapping like {{'tp': 2, 'pp': 4}}")
+
+
+#: The profile that is inside its ``with`` block in this process. torch.profiler cannot tell
+#: while a profile waits for its first step, and a second one started then crashes the process.
+_active: "profile | None" = None
+
+
 class profile:
     """Profile chosen steps of a training loop and write one trace per rank.
 
@@ -221,6 +255,8 @@ class profile:
 
     ``steps`` counts calls of ``.step()`` from 0; the profiler records steps first..last
     (one warm-up step before, when there is room). Ranks outside ``ranks`` record nothing.
+    ``layout`` is a :class:`Layout` or a mapping of its fields (``{"tp": 2, "pp": 4}``).
+    One profile at a time per process: nest :class:`region` inside it, not a second profile.
 
     ``integrations`` (default: all of :mod:`pptrace.integrations`) instrument the pipeline
     libraries the process uses for as long as the profiler runs, and fill in the layout,
@@ -235,7 +271,7 @@ class profile:
         ranks=None,
         record_shapes: bool = False,
         with_stack: bool = False,
-        layout: Layout | None = None,
+        layout: Layout | Mapping | None = None,
         schedule: str | None = None,
         microbatches: int | None = None,
         vpp: int | None = None,
@@ -245,6 +281,7 @@ class profile:
         self.out_dir = Path(out_dir)
         self.first_step, self.last_step = parse_steps(steps)
         self.rank, self.world_size = _distributed_rank()
+        layout = _as_layout(layout)
         # What the caller said, which the integrations' findings never override.
         self._given = {"layout": layout is not None, "schedule": schedule, "microbatches": microbatches,
                        "vpp": vpp, **(extra or {})}
@@ -307,25 +344,55 @@ class profile:
                 self._block[key] = value
 
     def __enter__(self):
-        if not self.enabled:
-            return self
-        self._integrations = instrument_all(self._integration_names)
+        global _active
+        # Refused on every rank, enabled or not, so that no rank trains on while the others stop.
+        if _active is not None:
+            raise RuntimeError(
+                f"pptrace.profile is already active in this process (started for {_active.out_dir}); "
+                "nest pptrace.region inside it instead of a second pptrace.profile"
+            )
+        if self.enabled:
+            if _profiler_enabled():
+                raise RuntimeError(
+                    "a torch.profiler is already recording in this process and only one profiler can "
+                    "run at a time; stop it before entering pptrace.profile"
+                )
+            self._check_writable()
+            self._integrations = instrument_all(self._integration_names)
+            try:
+                self._start()
+            except BaseException:
+                remove_all(self._integrations)
+                self._integrations = []
+                raise
+        _active = self
+        return self
+
+    def _check_writable(self) -> None:
+        # The trace is written by prof.step() once the last profiled step ends: an unwritable
+        # directory found only then costs the user every step run so far.
+        folder = self.trace_path.parent
         try:
-            return self._start()
-        except BaseException:
-            remove_all(self._integrations)
-            self._integrations = []
-            raise
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".pptrace-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise cannot_write(folder, exc) from None
 
     def _start(self):
         # A warm-up step lets the profiler settle before recording; step 0 has none to spare.
         warmup = 1 if self.first_step >= 1 else 0
-        schedule = torch.profiler.schedule(
-            wait=self.first_step - warmup,
-            warmup=warmup,
-            active=self.last_step - self.first_step + 1,
-            repeat=1,
-        )
+        with warnings.catch_warnings():
+            # Profiling from step 0 leaves no earlier step to warm up in: that is what the user
+            # asked for, not something torch's warning could help them fix.
+            warnings.filterwarnings("ignore", message="Profiler won't be using warmup", category=UserWarning)
+            schedule = torch.profiler.schedule(
+                wait=self.first_step - warmup,
+                warmup=warmup,
+                active=self.last_step - self.first_step + 1,
+                repeat=1,
+            )
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -361,6 +428,7 @@ class profile:
             self._write_metadata("start")
 
     def __exit__(self, *exc):
+        global _active
         try:
             if self._profiler is not None:
                 with _without_kineto_markers():
@@ -369,4 +437,6 @@ class profile:
         finally:
             remove_all(self._integrations)
             self._integrations = []
+            if _active is self:
+                _active = None
         return False
