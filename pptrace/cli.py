@@ -17,6 +17,7 @@ import click
 from . import __version__
 from .errors import TraceError
 from .ingest.memory import prefer_system_arrow_pool
+from .ingest.files import human_size
 from .vocab import SCHEDULES
 
 prefer_system_arrow_pool()  # before anything imports pyarrow: see ingest/memory.py
@@ -279,7 +280,7 @@ def info(run_dir: Path):
             coords or "-",
             f"{steps[0]}-{steps[-1]}" if steps else "-",
             str(block.get("schedule") or "-"),
-            _human_size(path.stat().st_size),
+            human_size(path.stat().st_size),
             escape(printable(path.name)),
         )
     console = _console()
@@ -289,13 +290,6 @@ def info(run_dir: Path):
         console.print(f"layout: {layout}")
     for problem in group_by_reason(problems):
         console.print(f"[yellow]warning:[/] {escape(printable(problem))}", soft_wrap=True)  # one line, as analyze's
-
-
-def _human_size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def _run_options(fn):

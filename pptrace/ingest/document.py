@@ -15,7 +15,6 @@ give the same table. The header (top-level metadata) is read without the events
 """
 from __future__ import annotations
 
-import gzip
 import json
 import re
 import zlib
@@ -26,7 +25,7 @@ import numpy as np
 import orjson
 
 from ..errors import TraceError
-from .files import GZIP_MAGIC, GZIP_MIN_BYTES, gzip_trailer, open_trace
+from .files import GZIP_MAGIC, gunzip, inflated_pieces, open_trace, size_limit
 from .schema import RawEvent
 from .store import lookup, probe_of
 
@@ -52,19 +51,25 @@ def _strip_bom(data: bytes) -> bytes:
 
 
 def read_trace(path: Path):
-    """(decompressed bytes, stat of the file read, its raw bytes' cache probe)."""
+    """(decompressed bytes, stat of the file read, its raw bytes' cache probe); TraceError for
+    a trace past files.size_limit / files.inflate_limit, read no further than them."""
     fh, st = open_trace(path)
     try:
         with fh:
-            data = fh.read()
+            limit, too_big = size_limit(path)
+            if st.st_size > limit:  # a .gz inflates to no less than its own size
+                raise TraceError(too_big)
+            data = fh.read(limit + 1)  # +1: a file that grew past the limit meanwhile
     except OSError as exc:
         raise TraceError(
             f"cannot read {path}: {exc.strerror or exc}; check that the file exists and is readable"
         ) from None
+    if len(data) > limit:
+        raise TraceError(too_big)
     probe = probe_of(data) if len(data) == st.st_size else None  # shorter/longer: written meanwhile
     if data[:2] == GZIP_MAGIC:
         try:
-            data = _gunzip(data)
+            data = _gunzip(data, path)
         except (OSError, EOFError, zlib.error) as exc:
             raise TraceError(
                 f"{path}: corrupt or truncated gzip ({exc}); re-copy the file or re-run the profiler"
@@ -75,18 +80,9 @@ def read_trace(path: Path):
     return data, st, probe
 
 
-def _gunzip(raw: bytes) -> bytes:
-    """gzip.decompress at half its peak memory: its output grows in blocks joined at the
-    end (2x the trace at once); sized by the trailer's length, zlib fills one buffer. The
-    trailer describes the last member, so a file of several members (``cat a.gz b.gz``),
-    whose first member then disagrees in length or CRC, takes gzip's way."""
-    if len(raw) >= GZIP_MIN_BYTES:
-        crc, size = gzip_trailer(raw[-8:])
-        data = zlib.decompress(raw, 16 + zlib.MAX_WBITS, max(size, 1))
-        if len(data) == size and zlib.crc32(data) == crc:
-            return data
-        del data
-    return gzip.decompress(raw)
+def _gunzip(raw: bytes, path="the trace") -> bytes:
+    """files.gunzip: inflated within the limits, in one buffer, several members as gzip reads them."""
+    return gunzip(raw, path)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -332,22 +328,40 @@ def _head_and_tail(path: Path, enough: tuple = ()) -> bytes | None:
     top-level metadata after them). The events between are streamed past, never parsed.
     ``enough``: keys any of which, found before the events, makes the head alone the answer
     (a document with its events array emptied): no inflating a .gz to its end for them."""
-    raw, _ = open_trace(path)
+    raw, st = open_trace(path)
     with raw:
-        fh = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == GZIP_MAGIC else raw
-        head = _strip_bom(fh.read(_HEADER_PEEK))
+        gz = raw.peek(2)[:2] == GZIP_MAGIC
+        if gz:  # inflated within the limits, a window at a time
+            pieces = iter(lambda: raw.read(_HEADER_PEEK), b"")
+            windows = _windows(inflated_pieces(pieces, path, st.st_size), _HEADER_PEEK)
+        read = (lambda: next(windows, b"")) if gz else (lambda: raw.read(_HEADER_PEEK))
+        head = _strip_bom(read())
         if enough and (alone := _head_alone(head, enough)) is not None:
             return alone
-        tail = fh.read(_HEADER_PEEK)
-        if len(tail) < _HEADER_PEEK:
+        if not gz:  # straight to the end: the events between are never read
+            raw.seek(max(raw.tell(), st.st_size - _HEADER_PEEK))
+        tail = read()
+        if len(tail) < _HEADER_PEEK:  # the whole document (a plain file's seek stayed put)
             return head + tail
-        while True:  # keep only the last window: bounded memory on any trace size
-            more = fh.read(_HEADER_PEEK)
+        while gz:  # keep only the last window: bounded memory on any trace size
+            more = read()
             if not more:
                 break
             tail = tail[len(more):] + more if len(more) < _HEADER_PEEK else more
     bracket = _events_bracket(head)
     return head[: bracket + 1] + tail if bracket >= 0 else None
+
+
+def _windows(pieces, size: int):
+    """The bytes of ``pieces`` again, ``size`` at a time (the last one shorter)."""
+    buffer = b""
+    for piece in pieces:
+        buffer += piece
+        while len(buffer) >= size:
+            yield buffer[:size]
+            buffer = buffer[size:]
+    if buffer:
+        yield buffer
 
 
 def _events_bracket(head: bytes) -> int:

@@ -1,10 +1,13 @@
 """Which files a run's traces are, opened safely: regular files only (never a FIFO's
 blocking open or a device's endless read), and what a file's size and identity are without
-parsing it. The lowest layer of import: no parsing, no cache."""
+parsing it, and its bytes inflated within limits (a decompression bomb is refused before it
+fills memory). The lowest layer of import: no parsing, no cache."""
 from __future__ import annotations
 
+import io
 import os
 import stat
+import zlib
 from pathlib import Path
 
 from ..errors import TraceError
@@ -106,6 +109,140 @@ def trace_size(path) -> int:
     except (OSError, TraceError):
         return 0
     return inflated if inflated >= size else 10 * size
+
+
+#: Environment variables that raise the limits of :func:`inflate_limit`.
+MAX_BYTES_ENV = "PPTRACE_MAX_TRACE_BYTES"
+MAX_RATIO_ENV = "PPTRACE_MAX_INFLATE_RATIO"
+#: Parsing takes ~1.7x a trace's inflated bytes in one process (load._WORKER_BYTES_PER_TRACE_BYTE)
+#: beside the run's other tables: past a quarter of the machine's memory a trace cannot be
+#: analysed, only swapped or killed for.
+_MEMORY_SHARE = 4
+_UNKNOWN_MEMORY = 16 << 30
+#: Real traces inflate 8-23x (tests/data/hta-gpu), the most repetitive synthetic ones ~60x;
+#: gzip of one repeated byte 230-1000x. Up to the floor a trace fits anywhere, whatever its ratio.
+_MAX_RATIO = 100
+_RATIO_FLOOR = 64 << 20
+#: Inflated this much at a time: bounded memory for a bomb, 2% over a one-shot inflate for a trace.
+_IN_PIECE, _OUT_PIECE = 1 << 20, 4 << 20
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process can have: the machine's, or its cgroup's limit (a container) when lower."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        total = _UNKNOWN_MEMORY
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = ""
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _env_number(name: str, units: bool) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    digits, unit = (text[:-1], text[-1].upper()) if units and text[-1].upper() in _UNITS else (text, "")
+    if not digits.isdigit() or int(digits) == 0:
+        example = "8G or 8589934592 (bytes)" if units else "a whole number, e.g. 500"
+        raise TraceError(f"{name}={text!r} is not a limit; give {example}, or unset it for the default")
+    return int(digits) * _UNITS[unit]
+
+
+def size_limit(path) -> tuple[int, str]:
+    """(most bytes the trace at ``path`` may take inflated, the one-line reason given past it)."""
+    limit = _env_number(MAX_BYTES_ENV, units=True)
+    if limit is None:
+        memory = machine_memory()
+        limit, origin = memory // _MEMORY_SHARE, f"a quarter of this machine's {human_size(memory)} of memory"
+    else:
+        origin = MAX_BYTES_ENV
+    return limit, (f"{path}: more than {human_size(limit)} of trace ({origin}), too big to load; set "
+                   f"{MAX_BYTES_ENV} to a larger size (e.g. {max(1, 2 * limit >> 30)}G) to read it")
+
+
+def inflate_limit(path, compressed: int) -> tuple[int, str]:
+    """:func:`size_limit` for a .gz of ``compressed`` bytes, lowered to a ratio to its own size:
+    what a decompression bomb exceeds long before memory runs out."""
+    limit, reason = size_limit(path)
+    ratio = _env_number(MAX_RATIO_ENV, units=False) or _MAX_RATIO
+    if limit <= max(_RATIO_FLOOR, ratio * compressed):
+        return limit, reason
+    return max(_RATIO_FLOOR, ratio * compressed), (
+        f"{path}: inflates to over {ratio} times its {human_size(compressed)} on disk, like a decompression "
+        f"bomb; if it is a real trace, set {MAX_RATIO_ENV} to a larger ratio (e.g. {10 * ratio}) to read it")
+
+
+def human_size(n: int) -> str:
+    """``1536`` -> ``"1.5 KB"``: sizes in the lines a user reads."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def inflated_pieces(pieces, path, compressed: int):
+    """The inflated bytes of the gzip members in ``pieces`` (a .gz's bytes in order, a
+    ``compressed`` bytes' worth), at most _OUT_PIECE at a time, stopping with TraceError
+    once past :func:`inflate_limit`. Several members (``cat a.gz b.gz``) and NUL padding
+    after one read as gzip reads them; a truncated last member raises EOFError, bytes after
+    one that are no member OSError, a damaged stream zlib.error."""
+    limit, reason = inflate_limit(path, compressed)
+    inflater, total, carried = None, 0, b""
+    for piece in pieces:
+        data = carried + piece if carried else piece
+        carried = b""
+        while True:
+            if inflater is None:  # between members
+                data = data.lstrip(b"\0")
+                if len(data) < len(GZIP_MAGIC):
+                    carried = data
+                    break
+                if data[:len(GZIP_MAGIC)] != GZIP_MAGIC:
+                    raise OSError("bytes after the end of the gzip stream that are no gzip member")
+                inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            out = inflater.decompress(data, _OUT_PIECE)
+            total += len(out)
+            if total > limit:
+                raise TraceError(reason)
+            if out:
+                yield out
+            if inflater.eof:
+                data, inflater = inflater.unused_data, None
+                continue
+            data = inflater.unconsumed_tail
+            if not data and len(out) < _OUT_PIECE:  # a full piece out: zlib may hold more
+                break
+    if inflater is not None or carried:
+        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+
+
+def gunzip(raw: bytes, path) -> bytes:
+    """The inflated bytes of the .gz ``raw`` read from ``path`` (TraceError past
+    :func:`inflate_limit`; see :func:`inflated_pieces`). Gathered in one BytesIO, whose
+    getvalue() hands its buffer over: ~1x the trace at the peak (joined pieces take 2x).
+    Kept only up to the trailer's length (a lying trailer's, a truncated file's garbage, or
+    the last of several members'): past it, or when it is past the limit, they are only
+    counted, and inflated again if within the limit, so a bomb never fills memory."""
+    claimed = gzip_trailer(raw[-8:])[1] if len(raw) >= GZIP_MIN_BYTES else 0
+
+    def pieces():
+        return (raw[i:i + _IN_PIECE] for i in range(0, len(raw), _IN_PIECE))
+
+    kept = io.BytesIO() if claimed <= inflate_limit(path, len(raw))[0] else None
+    for out in inflated_pieces(pieces(), path, len(raw)):
+        if kept is not None and kept.tell() + len(out) > claimed:
+            kept = None
+        elif kept is not None:
+            kept.write(out)
+    if kept is None:
+        kept = io.BytesIO()
+        for out in inflated_pieces(pieces(), path, len(raw)):
+            kept.write(out)
+    return kept.getvalue()
 
 
 #: More files than this with one reason are said in one line (10,000 empty files are one

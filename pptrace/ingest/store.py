@@ -42,8 +42,8 @@ _META_KEY = b"pptrace.ingest.store"
 #: Bytes hashed at each end of a trace file: a look-up reads these two only.
 _PROBE_BYTES = 64 << 10
 _TMP_SUFFIX = ".tmp"
-#: The names _create_tmp gives: ``.<trace>.arrow.<pid>.<8 hex digits>.tmp``.
-_TMP_NAME = re.compile(r"\..+\.arrow\.\d+\.[0-9a-f]{8}\.tmp")
+#: The names _create_tmp gives: ``.<trace>.json[.gz].arrow.<pid>.<8 hex digits>.tmp``.
+_TMP_NAME = re.compile(r"\..+\.json(\.gz)?\.arrow\.\d+\.[0-9a-f]{8}\.tmp")
 #: Writing one entry takes seconds; a temporary file this old is a killed run's leftover.
 _STALE_TMP_S = 600
 
@@ -109,6 +109,8 @@ def lookup(trace_path):
     turn out broken. A broken or stale entry is a miss, replaced by the next write."""
     path = cache_path(trace_path)
     try:
+        if path.is_symlink():  # pptrace makes none: someone else's file, never followed
+            return None
         with pa.OSFile(str(path)) as source:
             schema = pa.ipc.open_file(source).schema
         metadata = schema.metadata or {}
@@ -188,6 +190,8 @@ def write(trace_path, table: pa.Table, meta: dict, key: dict | None) -> Path | N
     path = cache_path(trace_path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent.is_symlink():  # one put there since cache_path looked
+            return None
         payload = orjson.dumps({"key": key, "rows": table.num_rows, "meta": meta}, option=orjson.OPT_NON_STR_KEYS)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), _META_KEY: payload})
         # Write then rename, so that a concurrent reader never sees half a file.
@@ -200,7 +204,7 @@ def write(trace_path, table: pa.Table, meta: dict, key: dict | None) -> Path | N
                 os.unlink(tmp)
         for old in _OLD_SUFFIXES:
             stale = path.with_name(path.name[: -len(_SUFFIX)] + old)
-            if stale.exists():
+            if stale.is_file() and not stale.is_symlink():  # a link there is not pptrace's
                 stale.unlink()
         return path
     except (OSError, pa.ArrowException):
