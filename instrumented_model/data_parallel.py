@@ -1,7 +1,7 @@
 """Gradient synchronisation after backward (Megatron's ``finalize_model_grads``, minus the
 embedding all-reduce: embedding and LM head are untied here).
 
-Gradients are SUMMED over the dp_cp group: the caller already divides each microbatch's loss
+Gradients are SUMMED over the dp_cp group (an expert's over its expert-data-parallel group): the caller already divides each microbatch's loss
 by the global token count, so the sum is the gradient of the global-mean loss. Parameters
 marked ``param.sequence_parallel`` (LayerNorms, RowParallel biases and positions under SP)
 saw only this tp rank's sequence slice and are also summed over the tp group.
@@ -18,9 +18,11 @@ from .tensor_parallel import group_size
 DEFAULT_BUCKET_BYTES = 1 << 20
 
 
-def _params(chunks) -> list:
+def _params(chunks, expert: bool = False) -> list:
+    """The dense parameters (or the experts': replicated over edp, not dp x cp)."""
     # Reverse registration order approximates the order backward produces gradients in.
-    return [p for chunk in reversed(chunks) for p in reversed(list(chunk.parameters())) if p.requires_grad]
+    return [p for chunk in reversed(chunks) for p in reversed(list(chunk.parameters()))
+            if p.requires_grad and getattr(p, "expert_parallel", False) == expert]
 
 
 def _grad(param) -> torch.Tensor:
@@ -73,14 +75,30 @@ def sync_sequence_parallel_grads(chunks, pstate) -> None:
     _unflatten_into(flat, params)
 
 
+def sync_expert_grads(chunks, pstate) -> None:
+    """Sum the experts' gradients over the expert-data-parallel group (one flat all-reduce):
+    each replica of an expert saw the tokens its own ep group routed to it."""
+    if group_size(pstate.edp_group) == 1:
+        return
+    params = _params(chunks, expert=True)
+    if not params:
+        return
+    flat = _flatten(params)
+    with region("dp:all_reduce", what="expert_grads", bytes=_nbytes(flat)):
+        dist.all_reduce(flat, group=pstate.edp_group)
+    _unflatten_into(flat, params)
+
+
 def finish_grad_sync(chunks, pstate, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-    """After the last backward: bucketed all-reduce over dp_cp, then the SP grads over tp."""
+    """After the last backward: bucketed all-reduce over dp_cp (the experts' over edp), then
+    the SP grads over tp."""
     if group_size(pstate.dp_cp_group) > 1:
         for i, bucket in enumerate(make_buckets(_params(chunks), bucket_bytes)):
             flat = _flatten(bucket)
             with region("dp:all_reduce", bucket=i, bytes=_nbytes(flat)):
                 dist.all_reduce(flat, group=pstate.dp_cp_group)
             _unflatten_into(flat, bucket)
+    sync_expert_grads(chunks, pstate)
     sync_sequence_parallel_grads(chunks, pstate)
 
 
@@ -146,6 +164,7 @@ class OverlappedGradReducer:
                 _unflatten_into(flat, self.buckets[i])
         self._reset()
         self._enabled = False
+        sync_expert_grads(self.chunks, self.pstate)
         sync_sequence_parallel_grads(self.chunks, self.pstate)
 
     def remove(self) -> None:

@@ -1,4 +1,4 @@
-"""A small GPT split Megatron-style over tp (+SP), cp and pp.
+"""A small GPT split Megatron-style over tp (+SP), cp and pp, with MoE layers over ep.
 
 Activations are sequence-first, (s, b, h), like Megatron: sequence parallelism and context
 parallelism both cut the first dimension. The word embedding and the LM head are separate
@@ -20,6 +20,7 @@ from torch import nn
 
 from .context_parallel import core_attention
 from .data import cp_positions
+from .expert_parallel import MoELayer
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -39,22 +40,38 @@ class GPTConfig:
     layers: int = 4
     mlp_ratio: int = 4
     seed: int = 1234
+    #: mixture of experts (expert_parallel.py): 0 = dense; else every ``moe_every``-th layer's
+    #: MLP is ``experts`` experts, each token routed to ``topk`` of them
+    experts: int = 0
+    topk: int = 1
+    moe_every: int = 1
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "mlp_ratio"):
+        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "mlp_ratio", "topk", "moe_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.experts, int) or self.experts < 0:
+            raise ValueError(f"GPTConfig.experts must be a non-negative integer, got {self.experts!r}")
+        if self.experts and self.topk > self.experts:
+            raise ValueError(f"GPTConfig.topk={self.topk} exceeds experts={self.experts}")
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig.hidden={self.hidden} is not divisible by heads={self.heads}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"GPTConfig.seed must be a non-negative integer, got {self.seed!r}")
 
 
+def is_moe_layer(config: GPTConfig, layer: int) -> bool:
+    """Layers moe_every-1, 2*moe_every-1, ... are MoE (all of them for moe_every = 1)."""
+    return config.experts > 0 and (layer + 1) % config.moe_every == 0
+
+
 def check_model_parallel(config: GPTConfig, pstate) -> None:
     """Raise ValueError naming the first size that does not split over the layout."""
     tp, cp = pstate.tp_size, pstate.cp_size
     checks = [
+        (pstate.ep_size == 1 or (config.experts and config.experts % pstate.ep_size == 0),
+         f"experts={config.experts} not divisible by ep={pstate.ep_size}"),
         (config.vocab_size % tp == 0, f"vocab_size={config.vocab_size} not divisible by tp={tp}"),
         (config.heads % tp == 0, f"heads={config.heads} not divisible by tp={tp}"),
         (cp == 1 or config.seq_len % (2 * cp) == 0,
@@ -135,11 +152,14 @@ class DecoderLayer(nn.Module):
         self.ln1 = _layer_norm(config, pstate)
         self.attn = Attention(config, pstate, layer)
         self.ln2 = _layer_norm(config, pstate)
-        self.mlp = MLP(config, pstate, layer)
+        if is_moe_layer(config, layer):
+            self.moe = MoELayer(config, pstate, layer)
+        else:
+            self.mlp = MLP(config, pstate, layer)
 
     def forward(self, x):  # (s_part, b, h) -> (s_part, b, h)
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return x + (self.moe if hasattr(self, "moe") else self.mlp)(self.ln2(x))
 
 
 def _full_init(name: str, shape, seed: int) -> torch.Tensor:

@@ -37,6 +37,10 @@ class ParallelState:
     pp_group: Any = None
     dp_group: Any = None
     dp_cp_group: Any = None
+    # expert parallelism (Layout.ep, carved out of dp x cp): the all-to-all group, and the
+    # expert-data-parallel group that sums the expert weights' gradients
+    ep_group: Any = None
+    edp_group: Any = None
     world_group: Any = None
 
     def __post_init__(self):
@@ -85,6 +89,14 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.layout.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[0]
 
     # -- global ranks of this rank's groups ---------------------------------------------
     @property
@@ -199,6 +211,11 @@ def initialize_model_parallel(
         setattr(state, f"{dim}_group", _create_groups(layout.groups(dim), rank, dim))
     dp_cp = sorted({tuple(dp_cp_group_ranks(layout, r)) for r in range(world)})
     state.dp_cp_group = _create_groups([list(g) for g in dp_cp], rank, "dp_cp")
+    if layout.ep > 1:
+        state.ep_group = _create_groups(layout.groups("ep"), rank, "ep")
+        state.edp_group = _create_groups(layout.groups("edp"), rank, "edp")
+    else:  # every rank holds every expert: their replicas are the dense weights'
+        state.edp_group = state.dp_cp_group
     state.world_group = dist.group.WORLD
     return state
 

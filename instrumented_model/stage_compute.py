@@ -46,23 +46,32 @@ class SleepCompute:
     fwd_delay_s: float = 0.0
     bwd_delay_s: float = 0.0
     device: torch.device = torch.device("cpu")
+    moe: object = None  # expert_parallel.SleepMoE: the ep exchanges and expert sleeps of a pass
 
     def _is_first_virtual(self, chunk: int) -> bool:
         return self.pp_rank == 0 and chunk == 0
+
+    def _experts(self, mb, chunk, phase) -> None:
+        if self.moe is not None:
+            self.moe.run(mb, chunk, phase, _sleep)
 
     def _is_last_virtual(self, chunk: int) -> bool:
         return self.pp_rank == self.pp_size - 1 and chunk == self.vpp - 1
 
     def forward(self, mb, chunk, input_tensor):
         _sleep((self.fwd_s + self.fwd_delay_s) / self.vpp)
+        self._experts(mb, chunk, "fwd")
         return None if self._is_last_virtual(chunk) else torch.zeros(self.shape, device=self.device)
 
     def backward(self, mb, chunk, output_grad):
         # 1F1B-style: B and W back to back inside one compute:bwd range.
+        self._experts(mb, chunk, "bwd")
         _sleep((self.bwd_s + self.bwd_delay_s + self.wgrad_s) / self.vpp)
         return None if self._is_first_virtual(chunk) else torch.zeros(self.shape, device=self.device)
 
     def backward_input(self, mb, chunk, output_grad):
+        # the experts' backward feeds the input grad: B's, on the critical path
+        self._experts(mb, chunk, "bwd")
         _sleep((self.bwd_s + self.bwd_delay_s) / self.vpp)
         return None if self._is_first_virtual(chunk) else torch.zeros(self.shape, device=self.device)
 

@@ -47,7 +47,22 @@ def _gpt_config(config: TrainConfig):
     return GPTConfig(
         vocab_size=config.vocab_size, seq_len=config.seq_len, hidden=config.hidden,
         heads=config.heads, layers=config.layers, mlp_ratio=4, seed=config.seed,
+        experts=config.experts, topk=config.topk, moe_every=config.moe_every,
     )
+
+
+def _sleep_moe(config: TrainConfig, gpt, pstate):
+    """Sleep mode's ep work (expert_parallel.SleepMoE), None for a dense model."""
+    from .expert_parallel import SleepMoE
+    from .model import is_moe_layer, layers_for_chunk, num_local_tokens
+
+    if not config.experts:
+        return None
+    layers = [[i for i in layers_for_chunk(gpt, config.pp, pstate.pp_rank, config.vpp, c) if is_moe_layer(gpt, i)]
+              for c in range(config.vpp)]
+    tokens = num_local_tokens(gpt, pstate, config.micro_batch_size) // (config.tp if config.sp else 1)
+    return SleepMoE(layers, tokens, config.topk, config.hidden, config.expert_us_per_token, pstate.ep_group,
+                    config.ep, pstate.ep_rank, config.moe_imbalance, pstate.device)
 
 
 class _NoProfile:
@@ -80,11 +95,13 @@ def _global_norm_and_loss(chunks, pstate, loss_sum: torch.Tensor, device) -> tup
     """
     coords = pstate.coords
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    if coords.dp == 0 and coords.cp == 0:
-        for chunk in chunks:
-            for p in chunk.parameters():
-                if p.grad is not None and (coords.tp == 0 or getattr(p, "tensor_model_parallel", False)):
-                    sq += p.grad.detach().double().pow(2).sum()
+    # an expert's replicas are its edp group: the one at edp rank 0 counts it
+    counts = {False: coords.dp == 0 and coords.cp == 0, True: pstate.layout.expert_coords(pstate.rank)[1] == 0}
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if (p.grad is not None and counts[getattr(p, "expert_parallel", False)]
+                    and (coords.tp == 0 or getattr(p, "tensor_model_parallel", False))):
+                sq += p.grad.detach().double().pow(2).sum()
     contributes_loss = pstate.is_last_stage and coords.tp == 0
     loss = loss_sum.detach().double().to(device) if contributes_loss else torch.zeros((), dtype=torch.float64, device=device)
     buf = torch.stack([sq, loss]).float()
@@ -141,7 +158,8 @@ def train(config: TrainConfig, pstate) -> list[dict]:
     if metrics_path is not None:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         metrics_path.write_bytes(b"")
-    truth = _sleep_truth(config, rank, coords.pp, fwd_delay, bwd_delay)
+    moe = _sleep_moe(config, gpt, pstate) if config.compute == "sleep" else None
+    truth = _sleep_truth(config, rank, coords.pp, fwd_delay, bwd_delay, moe)
     with _profile(config) as prof:
         for step in range(config.steps):
             start = time.perf_counter()
@@ -158,9 +176,11 @@ def train(config: TrainConfig, pstate) -> list[dict]:
                     shape=ctx.shape, pp_rank=coords.pp, pp_size=config.pp, vpp=config.vpp,
                     fwd_s=config.fwd_ms / 1000, bwd_s=config.bwd_ms / 1000,
                     wgrad_s=config.wgrad_ms / 1000, fwd_delay_s=fwd_delay, bwd_delay_s=bwd_delay,
-                    device=device,
+                    device=device, moe=moe,
                 )
             passes = truth["steps"].setdefault(str(step), []) if truth is not None else None
+            if moe is not None and truth is not None:
+                moe.calls = truth["experts"]["calls"].setdefault(str(step), [])
             forward_backward(PipelineRun(compute, ctx, m, coords.pp, config.pp, config.vpp,
                                          overlap_p2p_comm=config.overlap_p2p_comm, passes=passes))
             _sync_data_parallel(config, pstate, chunks, reducer, dp_cp_size)
@@ -186,17 +206,26 @@ def train(config: TrainConfig, pstate) -> list[dict]:
     return rows
 
 
-def _sleep_truth(config: TrainConfig, rank: int, pp_rank: int, fwd_delay: float, bwd_delay: float) -> dict | None:
+def _sleep_truth(config: TrainConfig, rank: int, pp_rank: int, fwd_delay: float, bwd_delay: float,
+                 moe=None) -> dict | None:
     """Sleep mode's known timeline, the ground truth tests hold the analysis to: the sleeps
     each pass of this rank takes (per microbatch, all chunks) and, per step, every pass's span
-    as ``[op, mb, chunk, start_ns, end_ns]`` on the clock trace times are given in (time_ns)."""
+    as ``[op, mb, chunk, start_ns, end_ns]`` on the clock trace times are given in (time_ns).
+    With MoE layers, ``experts``: the tokens this rank's experts get per MoE layer and
+    microbatch, the MoE layers of each chunk, their sleep per layer (s) by phase, and per
+    step the all-to-all calls' ``[start_ns, end_ns]``."""
     if config.compute != "sleep" or not config.out:
         return None
-    return {"rank": rank, "pp_rank": pp_rank, "vpp": config.vpp,
-            "sleeps_s": {"fwd": config.fwd_ms / 1000 + fwd_delay,
-                         "bwd_input": config.bwd_ms / 1000 + bwd_delay,
-                         "bwd_weight": config.wgrad_ms / 1000},
-            "steps": {}}
+    truth = {"rank": rank, "pp_rank": pp_rank, "vpp": config.vpp,
+             "sleeps_s": {"fwd": config.fwd_ms / 1000 + fwd_delay,
+                          "bwd_input": config.bwd_ms / 1000 + bwd_delay,
+                          "bwd_weight": config.wgrad_ms / 1000},
+             "steps": {}}
+    if moe is not None:
+        truth["experts"] = {"tokens": moe.received, "sent": moe.in_splits, "layers": moe.layers_of_chunk,
+                            "ep_rank": moe.ep_rank, "fwd_s": moe.expert_s("fwd"), "bwd_s": moe.expert_s("bwd"),
+                            "calls": {}}
+    return truth
 
 
 def _sync_data_parallel(config, pstate, chunks, reducer, dp_cp_size: int) -> None:

@@ -77,12 +77,19 @@ class TrainConfig:
     wgrad_ms: float = 0.0
     delays: tuple = field(default_factory=tuple)  # of Delay
     dp_overlap: bool = False
+    # mixture of experts (expert_parallel.py): ep is carved out of dp x cp (Layout.ep)
+    ep: int = 1
+    experts: int = 0
+    topk: int = 1
+    moe_every: int = 1
+    moe_imbalance: object = None  # expert_parallel.Imbalance
+    expert_us_per_token: float = 0.0
     out: str | None = None
     profile_steps: str = "1-2"
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "dp", "vpp", "microbatches", "micro_batch_size", "layers",
-                     "hidden", "heads", "seq_len", "vocab_size", "steps"):
+                     "hidden", "heads", "seq_len", "vocab_size", "steps", "ep", "topk", "moe_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -97,6 +104,7 @@ class TrainConfig:
             object.__setattr__(self, "overlap_p2p_comm", self.schedule == "interleaved")
         self._check_model()
         self._check_schedule()
+        self._check_experts()
         for delay in self.delays:
             if not isinstance(delay, Delay):
                 raise ValueError(f"delays must be Delay objects, got {delay!r}")
@@ -143,6 +151,31 @@ class TrainConfig:
                 f"--layers {self.layers} must be divisible by pp*vpp = {self.pp * self.vpp}"
             )
 
+    def _check_experts(self) -> None:
+        from .expert_parallel import Imbalance
+
+        if self.experts < 0:
+            raise ValueError(f"--experts must be >= 0, got {self.experts}")
+        if self.ep > 1 and not self.experts:
+            raise ValueError(f"--ep {self.ep} needs MoE layers: give --experts (a multiple of {self.ep})")
+        if self.experts and self.experts % self.ep:
+            raise ValueError(f"--experts {self.experts} must be divisible by --ep {self.ep}")
+        if self.experts and self.topk > self.experts:
+            raise ValueError(f"--topk {self.topk} exceeds --experts {self.experts}")
+        if self.expert_us_per_token < 0:
+            raise ValueError(f"--expert-us-per-token must be >= 0, got {self.expert_us_per_token}")
+        if self.moe_imbalance is not None:
+            if not isinstance(self.moe_imbalance, Imbalance):
+                raise ValueError(f"moe_imbalance must be an Imbalance, got {self.moe_imbalance!r}")
+            if self.compute != "sleep":
+                raise ValueError("--moe-imbalance skews sleep mode's synthetic routing: it needs --compute sleep "
+                                 "(the model's own router decides the real one)")
+            if self.moe_imbalance.rank >= self.ep:
+                raise ValueError(f"--moe-imbalance rank {self.moe_imbalance.rank} is outside the {self.ep} ep ranks")
+            if self.moe_imbalance.factor > self.ep:
+                raise ValueError(f"--moe-imbalance factor {self.moe_imbalance.factor:g} exceeds --ep {self.ep}: one "
+                                 "rank cannot get more than every token")
+
     def _check_schedule(self) -> None:
         if self.schedule == "interleaved":
             if self.pp < 2 or self.vpp < 2:
@@ -163,7 +196,7 @@ class TrainConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, order=self.order)
+        return Layout(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, order=self.order, ep=self.ep)
 
     @property
     def world_size(self) -> int:
@@ -175,6 +208,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["delays"] = [f"{d.rank}:{d.phase}:{d.ms:g}" for d in self.delays]
+        imb = self.moe_imbalance
+        data["moe_imbalance"] = None if imb is None else f"{imb.rank}:{imb.factor:g}"
         return data
 
 
@@ -182,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     ap = argparse.ArgumentParser(
         prog="python -m instrumented_model.train",
-        description="Reference Megatron-style trainer (TP/SP, CP, PP, DP) instrumented with pptrace.",
+        description="Reference Megatron-style trainer (TP/SP, CP, PP, DP, EP) instrumented with pptrace.",
     )
     for dim in LAYOUT_DIMS:
         ap.add_argument(f"--{dim}", type=int, default=getattr(d, dim), help=f"{dim} size")
@@ -210,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay", action="append", default=[], metavar="R:PHASE:MS",
                     help="add MS to rank R's fwd|bwd of every microbatch (repeatable)")
     ap.add_argument("--dp-overlap", action="store_true", help="bucketed async DP grad all-reduce")
+    ap.add_argument("--ep", type=int, default=d.ep, help="expert parallelism, carved out of dp x cp")
+    ap.add_argument("--experts", type=int, default=d.experts, help="experts per MoE layer in total (0: dense)")
+    ap.add_argument("--topk", type=int, default=d.topk, help="experts per token")
+    ap.add_argument("--moe-every", type=int, default=d.moe_every, help="every N-th layer is MoE")
+    ap.add_argument("--moe-imbalance", default=None, metavar="RANK:FACTOR",
+                    help="sleep mode: ep rank RANK's experts get FACTOR times the mean tokens")
+    ap.add_argument("--expert-us-per-token", type=float, default=d.expert_us_per_token,
+                    help="sleep mode: an expert's forward per token it got (backward twice that)")
     ap.add_argument("--out", default=None, help="run directory: traces/, metrics.jsonl, run.json")
     ap.add_argument("--profile-steps", default=d.profile_steps, help="steps to trace, A-B (from 0)")
     return ap
@@ -220,4 +263,8 @@ def config_from_args(argv=None) -> TrainConfig:
     args = build_parser().parse_args(argv)
     values = vars(args)
     values["delays"] = tuple(Delay.parse(text) for text in values.pop("delay"))
+    if values["moe_imbalance"] is not None:
+        from .expert_parallel import Imbalance
+
+        values["moe_imbalance"] = Imbalance.parse(values["moe_imbalance"])
     return TrainConfig(**values)

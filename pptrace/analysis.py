@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from .analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
-from .analyzers.collectives import collectives_by_dim
+from .analyzers.collectives import collectives_by_dim, waits_by_rank
 from .analyzers.critical_path import step_bounds
 from .analyzers.gpu_timeline import gpu_timeline, is_launch_bound
 from .analyzers.p2p import link_table, match_pairs
@@ -167,8 +167,9 @@ _GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_
                "memcpy_s", "memcpy_exposed_s", "idle_s", "launch_bound_s", "host_launching_s")
 
 
-def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> list[dict]:
+def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits: pd.DataFrame) -> list[dict]:
     out = []
+    by_rank = {r: g for r, g in waits.groupby("rank")} if len(waits) else {}
     for rank in view.ranks:
         if ranks is not None and rank not in ranks:
             continue
@@ -191,6 +192,9 @@ def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame) -> l
                     "hidden_s": {d: mine[f"hidden_{d}"].mean() for d in COMM_DIMS}}
             if len(on_gpu):
                 mean["gpu"] = {k: on_gpu[k].astype(float).mean() for k in _GPU_FIELDS}
+            if rank in by_rank:  # collective time waiting for the group's last rank vs after it
+                mean["collectives"] = {str(d): {"wait_s": float(w), "transfer_s": float(t)} for d, w, t in
+                                       zip(by_rank[rank]["dim"], by_rank[rank]["wait_s"], by_rank[rank]["transfer_s"])}
         out.append({
             "rank": rank, "coords": coords,
             "describe": view.layout.describe(rank) if rank < view.layout.world_size else None,
@@ -228,6 +232,8 @@ class Analysis:
     - ``links``: per p2p link (``src``, ``dst``) and step: ``count``, ``bytes``, ``wait_s``,
       ``transfer_s``.
     - ``collectives``: per dimension: collective time, exposed and hidden, wait and transfer.
+    - ``rank_collectives``: per (rank, dim): wait and transfer per step (the JSON's
+      ``ranks[].mean.collectives``).
     - ``stragglers``: the ranks that hold the others back (``rank``, ``metric``, ``slowdown``,
       ``cost_s``, evidence).
     - ``critical_path``: per step, what bounded it (``length_s``, ``compute_s``, ``p2p_s``,
@@ -310,6 +316,11 @@ class Analysis:
     def collectives(self) -> pd.DataFrame:
         chosen = self.partitions if self._ranks is None else [p for p in self.partitions if p.rank in self._ranks]
         return collectives_by_dim(self._view, chosen, self._instances)
+
+    @cached_property
+    def rank_collectives(self) -> pd.DataFrame:
+        """Per (rank, dim): collective wait and transfer per step (waits_by_rank)."""
+        return waits_by_rank(self._view, self._instances)
 
     @cached_property
     def stragglers(self) -> pd.DataFrame:
@@ -403,7 +414,7 @@ def _build_document(a: Analysis) -> dict:
             "inferred": dict(view.inferred),
             "comm_kernels": {lib: dict(v) for lib, v in view.comm_kernels.items()},
         },
-        "ranks": _rank_entries(view, a._all_steps, ranks, a.gpu),
+        "ranks": _rank_entries(view, a._all_steps, ranks, a.gpu, a.rank_collectives),
         "pipeline": {
             **pipe,
             "stages": stages.to_dict("records") if len(stages) else [],

@@ -26,12 +26,21 @@ class Layout:
     pp: int = 1
     dp: int = 1
     order: str = DEFAULT_ORDER
+    #: expert parallelism, carved out of the dp x cp ranks as Megatron-Core does (it adds no
+    #: ranks): the ep group is ``ep`` consecutive ranks of the combined cp-then-dp index
+    #: (same tp and pp), the expert-data-parallel group (``edp``) the ranks one ep group apart
+    ep: int = 1
 
     def __post_init__(self):
-        for dim in LAYOUT_DIMS:
+        for dim in (*LAYOUT_DIMS, "ep"):
             size = getattr(self, dim)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"Layout.{dim} must be a positive integer, got {size!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"Layout.ep {self.ep} must divide dp*cp = {self.dp * self.cp}: expert parallelism is "
+                "carved out of the data-parallel (and context-parallel) ranks"
+            )
         # Megatron's order strings also name ep; pptrace's dense layout has ep=1, so drop it.
         dims = [d for d in str(self.order).split("-") if d != "ep"]
         if sorted(dims) != sorted(LAYOUT_DIMS):
@@ -62,9 +71,17 @@ class Layout:
     def dp_enabled(self) -> bool:
         return self.dp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     def size(self, dim: str) -> int:
+        if dim == "ep":
+            return self.ep
+        if dim == "edp":
+            return self.dp * self.cp // self.ep
         if dim not in LAYOUT_DIMS:
-            raise ValueError(f"unknown parallel dimension {dim!r}; expected one of {LAYOUT_DIMS}")
+            raise ValueError(f"unknown parallel dimension {dim!r}; expected one of {(*LAYOUT_DIMS, 'ep', 'edp')}")
         return getattr(self, dim)
 
     def _strides(self) -> dict:
@@ -92,10 +109,28 @@ class Layout:
         strides = self._strides()
         return sum(coords[d] * strides[d] for d in LAYOUT_DIMS)
 
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """(ep rank, expert-data-parallel rank) of ``rank``: its combined dp x cp index
+        ``cp + cp_size * dp`` split as ``ep_rank + ep * edp_rank`` (Megatron's expert rank
+        generator, order tp-ep-dp-pp over the same ranks)."""
+        c = self.coords(rank)
+        j = c.cp + self.cp * c.dp
+        return j % self.ep, j // self.ep
+
+    def _expert_rank(self, here: dict, ep_rank: int, edp_rank: int) -> int:
+        j = ep_rank + self.ep * edp_rank
+        return self.rank(**{**here, "cp": j % self.cp, "dp": j // self.cp})
+
     # -- groups ---------------------------------------------------------------------------
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s group along ``dim``, ordered by their ``dim`` coordinate."""
+        """The ranks of ``rank``'s group along ``dim`` (a layout dim, ``ep`` or ``edp``),
+        ordered by their ``dim`` coordinate."""
         here = self.coords(rank)._asdict()
+        if dim in ("ep", "edp"):
+            ep_rank, edp_rank = self.expert_coords(rank)
+            if dim == "ep":
+                return [self._expert_rank(here, i, edp_rank) for i in range(self.ep)]
+            return [self._expert_rank(here, ep_rank, i) for i in range(self.size("edp"))]
         return [self.rank(**{**here, dim: i}) for i in range(self.size(dim))]
 
     def groups(self, dim: str) -> list[list[int]]:
@@ -123,16 +158,20 @@ class Layout:
 
     # -- (de)serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "order": self.order}
+        # ep only where there is some: a dense run's metadata stays as it always was
+        extra = {"ep": self.ep} if self.ep > 1 else {}
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "order": self.order, **extra}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Layout":
         try:
-            return cls(**{k: data[k] for k in (*LAYOUT_DIMS, "order") if k in data})
+            return cls(**{k: data[k] for k in (*LAYOUT_DIMS, "order", "ep") if k in data})
         except TypeError as exc:  # non-mapping input
             raise ValueError(f"not a layout: {data!r}") from exc
 
     def describe(self, rank: int) -> str:
         c = self.coords(rank)
         parts = [f"{d}{getattr(c, d)}" for d in ("pp", "tp", "cp", "dp") if getattr(self, d) > 1]
+        if self.ep > 1:
+            parts.append(f"ep{self.expert_coords(rank)[0]}")
         return " ".join(parts) or "single"

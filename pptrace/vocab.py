@@ -22,7 +22,11 @@ COMM_CATEGORIES = tuple(f"comm:{d}" for d in COMM_DIMS)
 RANGE_KINDS = ("compute", "tp", "cp", "pp", "dp", "ep")
 #: The layout dimensions whose group a collective of each range kind spans. Megatron syncs
 #: gradients over the data-parallel group *with* context parallelism, so dp spans dp x cp.
-KIND_GROUP_DIMS = MappingProxyType({"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp"), "ep": ("dp",), "pp": ("pp",)})
+KIND_GROUP_DIMS = MappingProxyType({"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp"), "ep": ("ep",), "pp": ("pp",)})
+
+#: Tags that say how much a rank moved, not which call it is: an all-to-all's (alltoallv)
+#: differ from rank to rank within one instance.
+SIZE_TAGS = ("bytes", "tokens")
 
 #: Megatron's default rank order (fastest-varying first).
 DEFAULT_ORDER = "tp-cp-dp-pp"

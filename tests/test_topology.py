@@ -73,5 +73,26 @@ def test_out_of_range_rank_and_coordinate():
         layout.coords(2)
     with pytest.raises(ValueError, match="tp coordinate 2"):
         layout.rank(tp=2)
-    with pytest.raises(ValueError, match="unknown parallel dimension 'ep'"):
-        layout.group_ranks("ep", 0)
+    with pytest.raises(ValueError, match="unknown parallel dimension 'xp'"):
+        layout.group_ranks("xp", 0)
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp,ep", [(1, 1, 4, 1, 4), (1, 1, 4, 2, 2), (2, 2, 2, 2, 4), (2, 1, 4, 1, 2),
+                                            (1, 2, 2, 1, 2)])
+def test_expert_groups_are_megatrons(tp, cp, dp, pp, ep):
+    """The ep and expert-data-parallel groups are those of Megatron-Core's own expert rank
+    generator (expert tp = tp), which carves ep out of the dp x cp ranks."""
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    layout = Layout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    experts = parallel_state.RankGenerator(tp=tp, ep=ep, dp=dp * cp // ep, pp=pp, cp=1, order="tp-ep-dp-pp")
+    assert layout.groups("ep") == sorted(experts.get_ranks("ep"))
+    assert layout.groups("edp") == sorted(experts.get_ranks("dp"))
+    dense = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    assert layout.groups("dp") == sorted(dense.get_ranks("dp"))
+    assert Layout.from_dict(layout.to_dict()) == layout
+
+
+def test_ep_must_divide_the_data_parallel_ranks():
+    with pytest.raises(ValueError, match="Layout.ep 3 must divide dp\\*cp = 4"):
+        Layout(dp=4, ep=3)
+    assert "ep" not in Layout(dp=4).to_dict()  # a dense run's metadata as it always was

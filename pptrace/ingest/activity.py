@@ -30,7 +30,7 @@ from .nccl import group_members, is_p2p_collective
 from .projection import gpu_extent
 from .intervals import Intervals, union_by_group
 from .lanes import dense_ranks, dominance_max
-from ..vocab import COMM_DIMS, LAYOUT_DIMS, collective_key, is_step_end
+from ..vocab import COMM_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
 
@@ -303,10 +303,12 @@ def _gpu_dim(group_ranks, rank: int, layout, collective=None, pg_name=None, grou
         if group_ranks is None or pd.isna(group_ranks):
             group_ranks = group.get("ranks")
     members = group_members(group_ranks)
-    for dim in (d for d in COMM_DIMS if d in LAYOUT_DIMS):  # ep has no layout group
-        if layout.size(dim) > 1 and rank < layout.world_size and tuple(sorted(layout.group_ranks(dim, rank))) == members:
-            return dim, True
     fam = collective_key(collective) if isinstance(collective, str) else ""
+    fits = [d for d in COMM_DIMS if layout.size(d) > 1 and rank < layout.world_size
+            and tuple(sorted(layout.group_ranks(d, rank))) == members]
+    if fits:
+        # ep's group may be dp's (ep = dp): an all-to-all on it is the experts' dispatch
+        return ("ep" if "ep" in fits and (fam.startswith("alltoall") or fits == ["ep"]) else fits[0]), True
     return ("ep" if fam.startswith("alltoall") else "dp"), False
 
 

@@ -6,6 +6,8 @@ after it. Times in the outputs come from whatever clocks ``events`` carries.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
@@ -13,7 +15,7 @@ from . import exchanges
 from .nccl import group_members, is_p2p_collective
 from .projection import gpu_extent
 from ..topology import Layout
-from ..vocab import COMM_DIMS, KIND_GROUP_DIMS, is_step_end
+from ..vocab import COMM_DIMS, KIND_GROUP_DIMS, SIZE_TAGS, is_step_end
 
 PAIR_COLUMNS = (
     "kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "bytes",
@@ -145,10 +147,23 @@ def group_of(kind: str, tags_json, rank: int, layout: Layout) -> tuple[int, ...]
     if isinstance(tags_json, str) and (is_step_end(tags_json) or _WORLD_GROUP in tags_json):
         return tuple(range(layout.world_size))
     dims = KIND_GROUP_DIMS.get(kind, ("dp",))
+    if kind == "ep" and layout.ep == 1:  # a layout that does not say its ep: all the expert-capable ranks
+        dims = KIND_GROUP_DIMS["dp"]
     ranks = {rank}
     for dim in dims:
         ranks = {r2 for r in ranks for r2 in layout.group_ranks(dim, r)}
     return tuple(sorted(ranks))
+
+
+_SIZE_TAG = re.compile(rf"\s(?:{'|'.join(SIZE_TAGS)})=\S+")
+
+
+def _call_names(names: pd.Series) -> np.ndarray:
+    """The names that say which call a range is: without its size tags (the ranks of one
+    all-to-all each send their own bytes), once per distinct name."""
+    names = names.astype("category")
+    table = np.array([_SIZE_TAG.sub("", str(n)) for n in names.cat.categories] + ["nan"], dtype=object)
+    return table[names.cat.codes.to_numpy()]
 
 
 def _instances(calls: pd.DataFrame, source: str) -> pd.DataFrame:
@@ -196,7 +211,7 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
     host_calls = pd.DataFrame({
         "rank": ev["rank"].to_numpy(np.int64), "index": ev.index.to_numpy(),
         "kind": ev["kind"].astype(str).to_numpy(), "op": ev["op"].astype(str).to_numpy(),
-        "name": ev["name"].astype(str).to_numpy(), "step": ev["step"].to_numpy(np.int64),
+        "name": _call_names(ev["name"]), "step": ev["step"].to_numpy(np.int64),
         "group": pd.Series(group_col, dtype=object, index=ev.index).to_numpy(),
         "arrive_ns": ev["start_ns"].to_numpy(np.int64), "leave_ns": ev["end_ns"].to_numpy(np.int64),
     })

@@ -1,0 +1,104 @@
+"""Expert parallelism in sleep mode, against its known truth: the reference trainer at dp 4 /
+ep 4 (8 experts, top-2, 2 MoE layers), each expert sleeping 200 us per token it got (twice
+that in backward), balanced and with ep rank 2's experts given twice the mean tokens
+(``--moe-imbalance 2:2.0``). The truth (truth/rank{r}.json ``experts``) says how many
+tokens each rank's experts got, so the cost of the imbalance is known exactly: every
+other rank waits in the all-to-alls for rank 2's extra expert time."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pptrace
+
+pytestmark = pytest.mark.slow
+
+HOT, FACTOR, M, STEPS = 2, 2.0, 4, ("1", "2")
+COMMON = ["--dp", "4", "--ep", "4", "--experts", "8", "--topk", "2", "--layers", "2", "--compute", "sleep",
+          "--fwd-ms", "4", "--bwd-ms", "8", "--microbatches", str(M), "--expert-us-per-token", "200",
+          "--steps", "3", "--profile-steps", "1-2"]
+
+
+def _train(out: Path, *extra) -> Path:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *COMMON, *extra, "--out", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    return {name: (_train(root / name, *extra), pptrace.analyze(root / name, progress=False))
+            for name, extra in (("balanced", ()), ("hot", ("--moe-imbalance", f"{HOT}:{FACTOR:g}")))}
+
+
+def _truth(out: Path) -> dict:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in (out / "truth").glob("rank*.json")}
+
+
+def _expert_s(truth: dict) -> float:
+    """A rank's expert sleeps per step: every MoE layer of every microbatch, fwd and bwd."""
+    e = truth["experts"]
+    return M * sum(len(layers) for layers in e["layers"]) * (e["fwd_s"] + e["bwd_s"])
+
+
+def test_the_hot_ranks_experts_got_factor_times_the_mean(runs):
+    truth = _truth(runs["hot"][0])
+    tokens = {r: t["experts"]["tokens"] for r, t in truth.items()}
+    mean = sum(tokens.values()) / len(tokens)
+    assert tokens[HOT] == pytest.approx(FACTOR * mean, rel=0.02)
+
+
+def test_ep_wait_per_rank_is_the_injected_expert_time_difference(runs):
+    """Each rank waits, per step, for the hot rank's extra expert time over its own (the
+    wait is measured from arrivals: the hot rank's own wait is the noise floor it is read
+    against)."""
+    out, analysis = runs["hot"]
+    truth = _truth(out)
+    waits = analysis.rank_collectives.query("dim == 'ep'").set_index("rank")["wait_s"]
+    hot_s = _expert_s(truth[HOT])
+    for rank, t in truth.items():
+        if rank == HOT:
+            continue
+        want = hot_s - _expert_s(t)
+        got = waits[rank] - waits[HOT]
+        assert abs(got - want) <= max(0.10 * want, 0.003), (rank, got, want, waits.to_dict())
+
+
+def test_the_culprit_is_the_overloaded_rank_and_nobody_when_balanced(runs):
+    hot = runs["hot"][1].stragglers
+    assert len(hot) and int(hot.iloc[0]["rank"]) == HOT, hot
+    assert set(hot["rank"].astype(int)) == {HOT}, hot  # never the waiters
+    assert runs["balanced"][1].stragglers.empty, runs["balanced"][1].stragglers
+
+
+@pytest.mark.parametrize("name", ["balanced", "hot"])
+def test_compute_is_the_sleeps_and_ep_is_exposed(runs, name):
+    """Compute lies between each rank's logged sleeps (passes and experts) and its logged
+    passes less its all-to-all calls (the host's own work in a pass is compute: on this box
+    ~1 ms around each call), and within 5% of the sleeps plus that; the all-to-alls run with
+    nothing under them: exposed."""
+    out, analysis = runs[name]
+    truth = _truth(out)
+    steps = analysis.steps
+    for rank, t in truth.items():
+        mine = steps[steps["rank"] == rank].set_index("step")
+        sleeps = M * (t["sleeps_s"]["fwd"] + t["sleeps_s"]["bwd_input"] + t["sleeps_s"]["bwd_weight"]) + _expert_s(t)
+        for step in STEPS:
+            passes = sum(end - start for _, _, _, start, end in t["steps"][step]) / 1e9
+            calls = sum(end - start for start, end in t["experts"]["calls"][step]) / 1e9
+            compute = mine.loc[int(step), "compute"]
+            assert 0.99 * sleeps <= compute <= passes - calls + 0.002, (rank, step, sleeps, compute, passes - calls)
+            assert compute == pytest.approx(sleeps, rel=0.10), (rank, step)
+        assert (mine["ep_exposed"] > 0).all() and (mine["hidden_ep"] == 0).all()
+    report = analysis.to_json()
+    assert report["run"]["layout"]["ep"] == 4
+    assert {r["describe"] for r in report["ranks"]} == {f"dp{i} ep{i}" for i in range(4)}
