@@ -62,31 +62,32 @@ def _nbytes(x) -> int:
     return x.numel() * x.element_size()
 
 
+def _sum_flat(params, process_group, name: str, **tags) -> None:
+    """Sum ``params``' gradients over ``process_group`` in one flat all-reduce."""
+    if not params:
+        return
+    flat = _flatten(params)
+    with region(name, bytes=_nbytes(flat), **tags):
+        dist.all_reduce(flat, group=process_group)
+    _unflatten_into(flat, params)
+
+
 def sync_sequence_parallel_grads(chunks, pstate) -> None:
     """Sum the SP-partial gradients over the tp group (one flat all-reduce)."""
     if not pstate.sequence_parallel or group_size(pstate.tp_group) == 1:
         return
     params = [p for chunk in chunks for p in chunk.parameters() if getattr(p, "sequence_parallel", False)]
-    if not params:
-        return
-    flat = _flatten(params)
-    with region("tp:all_reduce", what="sp_grads", bytes=_nbytes(flat)):
-        dist.all_reduce(flat, group=pstate.tp_group)
-    _unflatten_into(flat, params)
+    _sum_flat(params, pstate.tp_group, "tp:all_reduce", what="sp_grads")
 
 
 def sync_expert_grads(chunks, pstate) -> None:
     """Sum the experts' gradients over the expert-data-parallel group (one flat all-reduce):
-    each replica of an expert saw the tokens its own ep group routed to it."""
+    each replica of an expert saw the tokens its own ep group routed to it. Tagged
+    ``group=edp``: it spans that group, not dp's."""
     if group_size(pstate.edp_group) == 1:
         return
-    params = _params(chunks, expert=True)
-    if not params:
-        return
-    flat = _flatten(params)
-    with region("dp:all_reduce", what="expert_grads", bytes=_nbytes(flat)):
-        dist.all_reduce(flat, group=pstate.edp_group)
-    _unflatten_into(flat, params)
+    _sum_flat(_params(chunks, expert=True), pstate.edp_group, "dp:all_reduce", what="expert_grads",
+              group="edp" if pstate.ep_size > 1 else None)
 
 
 def finish_grad_sync(chunks, pstate, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:

@@ -24,6 +24,7 @@ import pandas as pd
 from .analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
 from .analyzers.collectives import collectives_by_dim, waits_by_rank
 from .analyzers.critical_path import step_bounds
+from .analyzers.experts import expert_load
 from .analyzers.gpu_timeline import gpu_timeline, is_launch_bound
 from .analyzers.p2p import link_table, match_pairs
 from .analyzers.partition import breakdown_table, partition_run
@@ -234,6 +235,8 @@ class Analysis:
     - ``collectives``: per dimension: collective time, exposed and hidden, wait and transfer.
     - ``rank_collectives``: per (rank, dim): wait and transfer per step (the JSON's
       ``ranks[].mean.collectives``).
+    - ``experts``: per rank with MoE experts: ``tokens`` per step, ``share_of_mean`` in its
+      ep group, ``hottest`` and ``wait_cost_s`` (what the group waited for its hottest rank).
     - ``stragglers``: the ranks that hold the others back (``rank``, ``metric``, ``slowdown``,
       ``cost_s``, evidence).
     - ``critical_path``: per step, what bounded it (``length_s``, ``compute_s``, ``p2p_s``,
@@ -321,6 +324,13 @@ class Analysis:
     def rank_collectives(self) -> pd.DataFrame:
         """Per (rank, dim): collective wait and transfer per step (waits_by_rank)."""
         return waits_by_rank(self._view, self._instances)
+
+    @cached_property
+    def experts(self) -> pd.DataFrame:
+        """Per rank with MoE experts: tokens per step, share of its ep group's mean, the
+        group's hottest rank and what waiting for it cost the others (analyzers/experts.py)."""
+        load = expert_load(self._view, self.rank_collectives)
+        return load if self._ranks is None else load[load["rank"].isin(self._ranks)].reset_index(drop=True)
 
     @cached_property
     def stragglers(self) -> pd.DataFrame:
@@ -431,6 +441,8 @@ def _build_document(a: Analysis) -> dict:
         },
         "collectives": a.collectives.to_dict("records"),
         "stragglers": a.stragglers.to_dict("records"),
+        # MoE runs only: tokens per ep rank per step and the imbalance's cost
+        **({"experts": a.experts.to_dict("records")} if len(a.experts) else {}),
         "warnings": [*view.warnings, *a._selection_warnings, *_input_warnings(view, a.partitions, a._pairs[1]),
                      *_gpu_warnings(view, view.activities, a.gpu,
                                     bool((view.events["kind"].isin(list(RANGE_KINDS))

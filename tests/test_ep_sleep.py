@@ -83,9 +83,9 @@ def test_the_culprit_is_the_overloaded_rank_and_nobody_when_balanced(runs):
 @pytest.mark.parametrize("name", ["balanced", "hot"])
 def test_compute_is_the_sleeps_and_ep_is_exposed(runs, name):
     """Compute lies between each rank's logged sleeps (passes and experts) and its logged
-    passes less its all-to-all calls (the host's own work in a pass is compute: on this box
-    ~1 ms around each call), and within 5% of the sleeps plus that; the all-to-alls run with
-    nothing under them: exposed."""
+    passes less its all-to-all calls: the host's own work in a pass is compute (on this box
+    ~1 ms around each call, +5% quiet, +17% under CI's two workers: no margin on the sleeps
+    alone holds). The all-to-alls run with nothing under them: exposed."""
     out, analysis = runs[name]
     truth = _truth(out)
     steps = analysis.steps
@@ -97,8 +97,28 @@ def test_compute_is_the_sleeps_and_ep_is_exposed(runs, name):
             calls = sum(end - start for start, end in t["experts"]["calls"][step]) / 1e9
             compute = mine.loc[int(step), "compute"]
             assert 0.99 * sleeps <= compute <= passes - calls + 0.002, (rank, step, sleeps, compute, passes - calls)
-            assert compute == pytest.approx(sleeps, rel=0.10), (rank, step)
         assert (mine["ep_exposed"] > 0).all() and (mine["hidden_ep"] == 0).all()
     report = analysis.to_json()
     assert report["run"]["layout"]["ep"] == 4
     assert {r["describe"] for r in report["ranks"]} == {f"dp{i} ep{i}" for i in range(4)}
+
+
+def test_expert_load_names_the_hot_rank_and_what_it_cost(runs):
+    """Tokens per rank per step as the truth routed them; the hot rank at FACTOR x the mean,
+    the only one marked; its cost = the others' ep wait beyond its own (the wait test's
+    truth), within 10%; a balanced run has no hottest rank and no cost."""
+    out, analysis = runs["hot"]
+    truth = _truth(out)
+    load = analysis.experts.set_index("rank")
+    for rank, t in truth.items():
+        e = t["experts"]
+        assert load.loc[rank, "tokens"] == e["tokens"] * M * sum(len(x) for x in e["layers"]), rank
+    assert load.loc[HOT, "share_of_mean"] == pytest.approx(FACTOR, rel=0.02)
+    assert load.index[load["hottest"]].tolist() == [HOT]
+    want = sum(_expert_s(truth[HOT]) - _expert_s(t) for r, t in truth.items() if r != HOT) / (len(truth) - 1)
+    assert load.loc[HOT, "wait_cost_s"] == pytest.approx(want, rel=0.10)
+    report = analysis.to_json()
+    assert [e["rank"] for e in report["experts"] if e["hottest"]] == [HOT]
+    balanced = runs["balanced"][1].experts
+    assert not balanced["hottest"].any() and (balanced["wait_cost_s"] == 0).all()
+    assert balanced["share_of_mean"].tolist() == pytest.approx([1.0] * 4)

@@ -169,3 +169,17 @@ def test_bad_moe_flags_name_the_bad_value(argv, message):
 def test_moe_config_carries_ep_into_the_layout():
     config = TrainConfig(dp=4, ep=2, experts=4, topk=2)
     assert config.layout.ep == 2 and config.layout.to_dict()["ep"] == 2
+
+
+@pytest.mark.slow
+def test_a_model_mode_ep_run_analyses_with_every_collective_complete(results):
+    """Each rank's all-to-all sends its own bytes, and the experts' grad sync spans the
+    expert-data-parallel group, not dp's: every instance still holds all its ranks."""
+    run = pptrace.load_run(results["trace_root"] / "dp4_ep2", progress=False)
+    assert run.layout.ep == 2 and not [w for w in run.warnings if "lack ranks" in w], run.warnings
+    inst = run.collectives
+    assert inst["complete"].all()
+    ep = inst[inst["kind"] == "ep"]
+    assert len(ep) and set(ep["group"]) == {"0,1", "2,3"}
+    edp = inst[inst["name"].str.contains("expert_grads")]
+    assert set(edp["group"]) == {"0,2", "1,3"}

@@ -111,6 +111,14 @@ LEGEND = {
         (("transfer ms",), None, "the rest of the time until the rank left"),
         (("ops",), None, "each collective and how many of it per rank per step"),
     ]),
+    "experts": ("Expert load", [
+        (("rank", "ep group"), None, "a rank with MoE experts and the ranks of its expert-parallel group"),
+        (("tokens",), None, "tokens its experts processed per step (forward; from the compute:expert ranges)"),
+        (("x mean",), "over its ep group's mean", "its tokens over the mean of its ep group's ranks"),
+        (("wait cost ms",), "what the group waited for its hottest rank",
+         "on the group's hottest rank (at least 1.1x the mean): the others' ep wait per step beyond its own, "
+         "mean over them: the cost of the imbalance"),
+    ]),
     "stragglers": ("Stragglers", [
         (("rank",), None, "the straggler; the one that costs most first"),
         (("metric",), "compute: computes longer than the median rank; collective_arrival: last at collectives",
@@ -246,6 +254,13 @@ def print_report(report: dict, console, explain: bool = False) -> None:
             rows.append([c["dim"], _n(c["count"]), _n(c["bytes"]), _ms(c["time_s"]), _ms(c["exposed_s"]),
                          _ms(c["hidden_s"]), _ms(c["wait_s"]), _ms(c["transfer_s"]), ops])
         shown["collectives"] = print_table(console, "Collectives by dimension (per rank per step)", cols, rows)
+    if report.get("experts"):
+        cols = [Col("rank", key=True), Col("ep group", key=True),
+                *(Col(h) for h in ("tokens", "x mean", "wait cost ms"))]
+        rows = [[str(e["rank"]) + (" (hottest)" if e["hottest"] else ""), e["ep_group"], _n(e["tokens"]),
+                 "-" if e["share_of_mean"] is None else f"{e['share_of_mean']:.2f}", _ms(e["wait_cost_s"])]
+                for e in report["experts"]]
+        shown["experts"] = print_table(console, "Expert load (per step)", cols, rows)
     if report["stragglers"]:
         cols = [Col("rank", key=True), Col("metric", key=True), *(Col(h) for h in ("slowdown", "cost ms/step")),
                 Col("evidence", wrap=True, justify="left")]

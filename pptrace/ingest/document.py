@@ -59,7 +59,9 @@ def read_trace(path: Path):
             limit, too_big = size_limit(path)
             if st.st_size > limit:  # a .gz inflates to no less than its own size
                 raise TraceError(too_big)
-            data = fh.read(limit + 1)  # +1: a file that grew past the limit meanwhile
+            # read(n) allocates n bytes up front: no more than the file holds (+1: one that
+            # grew meanwhile reads short of whole, its probe then skipped)
+            data = fh.read(min(limit, st.st_size) + 1)
     except OSError as exc:
         raise TraceError(
             f"cannot read {path}: {exc.strerror or exc}; check that the file exists and is readable"

@@ -29,6 +29,8 @@ INSTANCE_COLUMNS = (
 #: A user's own collective over all ranks whatever its kind (tag group=world), beside the
 #: step-end one (vocab.STEP_END_TAGS).
 _WORLD_GROUP = '"group":"world"'
+#: The experts' gradient sync (tag group=edp): over the expert-data-parallel group
+_EDP_GROUP = '"group":"edp"'
 _P2P_KINDS = ("pp", "cp")
 # group: the NCCL process group of inferred ops ("" for contract ranges, which carry none)
 _KEY = ["kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "group"]
@@ -146,6 +148,8 @@ def group_of(kind: str, tags_json, rank: int, layout: Layout) -> tuple[int, ...]
     """The ranks a contract collective of ``kind`` on ``rank`` spans."""
     if isinstance(tags_json, str) and (is_step_end(tags_json) or _WORLD_GROUP in tags_json):
         return tuple(range(layout.world_size))
+    if isinstance(tags_json, str) and _EDP_GROUP in tags_json and layout.ep > 1:
+        return tuple(sorted(layout.group_ranks("edp", rank)))
     dims = KIND_GROUP_DIMS.get(kind, ("dp",))
     if kind == "ep" and layout.ep == 1:  # a layout that does not say its ep: all the expert-capable ranks
         dims = KIND_GROUP_DIMS["dp"]
