@@ -122,3 +122,37 @@ def test_expert_load_names_the_hot_rank_and_what_it_cost(runs):
     balanced = runs["balanced"][1].experts
     assert not balanced["hottest"].any() and (balanced["wait_cost_s"] == 0).all()
     assert balanced["share_of_mean"].tolist() == pytest.approx([1.0] * 4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_ep_inside_a_pipeline(tmp_path, schedule):
+    """dp 2 / ep 2 / pp 2: each stage's two ranks form an ep group, ep rank 1's experts get
+    1.5x the mean; within each group the other rank's ep wait beyond the hot one's is its
+    expert-time deficit (the passes around it are the pipeline's)."""
+    vpp = ["--vpp", "2"] if schedule == "interleaved" else []
+    out = _train(tmp_path / "run", "--pp", "2", "--dp", "2", "--ep", "2", "--layers", "4", "--schedule", schedule,
+                 *vpp, "--moe-imbalance", "1:1.5")
+    analysis = pptrace.analyze(out, progress=False)
+    truth = _truth(out)
+    layout = analysis.run.layout
+    assert (layout.pp, layout.dp, layout.ep) == (2, 2, 2)
+    waits = analysis.rank_collectives.query("dim == 'ep'").set_index("rank")["wait_s"]
+    hot = {r for r, t in truth.items() if t["experts"]["ep_rank"] == 1}
+    assert analysis.experts.query("hottest")["rank"].astype(int).tolist() == sorted(hot)
+    for rank in set(truth) - hot:
+        mate = next(r for r in layout.group_ranks("ep", rank) if r != rank)
+        want = _expert_s(truth[mate]) - _expert_s(truth[rank])
+        got = waits[rank] - waits[mate]
+        assert abs(got - want) <= max(0.10 * want, 0.003), (schedule, rank, got, want)
+
+
+def test_the_expert_table_and_its_legend_are_printed(runs):
+    from click.testing import CliRunner
+
+    from pptrace.cli import cli
+    from pptrace.export.report import LEGEND
+
+    out = CliRunner().invoke(cli, ["analyze", str(runs["hot"][0]), "--explain"]).output
+    assert "Expert load (per step)" in out and "2 (hottest)" in out
+    text = " ".join(out.split())
+    assert all(" ".join(long.split()) in text for _, _, long in LEGEND["experts"][1])
