@@ -6,8 +6,10 @@ temp dir). Every step is: pipeline schedule -> DP grad sync -> global grad-norm 
 over all ranks (gradient clipping; DESIGN.md contract 3 relies on this collective) -> SGD.
 
 ``--out DIR`` writes DIR/traces/rank{r}.json.gz (pptrace.profile), DIR/metrics.jsonl (rank 0,
-one object per step), DIR/run.json (the full config) and, in sleep mode, DIR/truth/rank{r}.json
-(the known timeline: each pass's sleeps and span, ``_sleep_truth``).
+one object per step), DIR/run.json (the full config), DIR/sched/rank{r}.json (how long each
+step's main thread waited for a CPU: on a busy box, the slowdown the OS gave a rank) and, in
+sleep mode, DIR/truth/rank{r}.json (the known timeline: each pass's sleeps and span,
+``_sleep_truth``).
 """
 from __future__ import annotations
 
@@ -160,9 +162,10 @@ def train(config: TrainConfig, pstate) -> list[dict]:
         metrics_path.write_bytes(b"")
     moe = _sleep_moe(config, gpt, pstate) if config.compute == "sleep" else None
     truth = _sleep_truth(config, rank, coords.pp, fwd_delay, bwd_delay, moe)
+    waited = {}  # step -> ns this rank's main thread waited for a CPU (the box's own slowdown)
     with _profile(config) as prof:
         for step in range(config.steps):
-            start = time.perf_counter()
+            start, queued = time.perf_counter(), _runqueue_wait_ns()
             if config.compute == "model":
                 compute = ModelCompute(
                     chunks=chunks,
@@ -188,6 +191,9 @@ def train(config: TrainConfig, pstate) -> list[dict]:
             grad_norm, loss_total = _global_norm_and_loss(chunks, pstate, loss_sum, device)
             _sgd_step(chunks, config.lr, config.clip_grad, grad_norm)
             elapsed = time.perf_counter() - start
+            now = _runqueue_wait_ns()
+            if queued is not None and now is not None:
+                waited[str(step)] = now - queued
             if rank == 0:
                 row = {
                     "step": step,
@@ -200,10 +206,22 @@ def train(config: TrainConfig, pstate) -> list[dict]:
                     with metrics_path.open("ab") as f:
                         f.write(orjson.dumps(row) + b"\n")
             prof.step()
+    if config.out and waited:
+        (Path(config.out) / "sched").mkdir(parents=True, exist_ok=True)
+        (Path(config.out) / "sched" / f"rank{rank}.json").write_bytes(
+            orjson.dumps({"rank": rank, "runqueue_wait_ns": waited}))
     if truth is not None:
         (Path(config.out) / "truth").mkdir(parents=True, exist_ok=True)
         (Path(config.out) / "truth" / f"rank{rank}.json").write_bytes(orjson.dumps(truth))
     return rows
+
+
+def _runqueue_wait_ns() -> int | None:
+    """Time this thread has waited for a CPU so far (Linux schedstat), None where unknown."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _sleep_truth(config: TrainConfig, rank: int, pp_rank: int, fwd_delay: float, bwd_delay: float,

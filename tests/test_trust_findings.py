@@ -55,16 +55,32 @@ def model_runs(tmp_path_factory):
     return get
 
 
+def _starved_s(run: Path, rank: int, steps: list) -> float:
+    """Per profiled step, how much longer ``rank``'s main thread waited for a CPU than the
+    median other rank's (the trainer's sched/rank{r}.json): a slowdown the box gave it."""
+    waits = {int(p.stem[4:]): json.loads(p.read_text())["runqueue_wait_ns"] for p in (run / "sched").glob("rank*.json")}
+    per = {r: sum(w.get(str(s), 0) for s in steps) / len(steps) / 1e9 for r, w in waits.items()}
+    others = sorted(v for r, v in per.items() if r != rank)
+    return per[rank] - others[len(others) // 2]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("attempt", [1, 2, 3])
 def test_no_straggler_named_in_runs_without_delay(model_runs, attempt):
-    report = _json("analyze", model_runs(f"clean{attempt}"))
-    # the noise is there (ranks differ step by step) but names nobody
+    """Nothing injected: the noise is there (ranks differ step by step) but names nobody,
+    unless the box itself held one rank back (a busy core the scheduler kept giving to the
+    same rank): such a rank is named only when its main thread waited for a CPU, per step,
+    at least half the cost it is named for beyond the other ranks."""
+    run = model_runs(f"clean{attempt}")
+    report = _json("analyze", run)
     compute = [[s["breakdown_s"]["compute"] for s in r["steps"]] for r in report["ranks"]]
     assert len(compute) == 4 and all(len(steps) == PROFILED for steps in compute)
-    assert report["stragglers"] == []
-    text = pptrace("analyze", model_runs(f"clean{attempt}"))
-    assert text.returncode == 0 and "Stragglers (culprit first)" not in text.stdout
+    for named in report["stragglers"]:
+        starved = _starved_s(run, named["rank"], report["run"]["steps"])
+        assert starved >= 0.5 * named["cost_s"], (named, starved)
+    if not report["stragglers"]:
+        text = pptrace("analyze", run)
+        assert text.returncode == 0 and "Stragglers (culprit first)" not in text.stdout
 
 
 @pytest.mark.slow
