@@ -170,7 +170,11 @@ _GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_
 
 def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits: pd.DataFrame) -> list[dict]:
     out = []
-    by_rank = {r: g for r, g in waits.groupby("rank")} if len(waits) else {}
+    # rank -> {dim: {wait_s, transfer_s}}: the table's records once (JSON output, not analysis)
+    by_rank: dict = {}
+    if len(waits):
+        for (r, d), v in waits.set_index(["rank", "dim"])[["wait_s", "transfer_s"]].astype(float).to_dict("index").items():
+            by_rank.setdefault(int(r), {})[str(d)] = v
     for rank in view.ranks:
         if ranks is not None and rank not in ranks:
             continue
@@ -194,8 +198,7 @@ def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, wait
             if len(on_gpu):
                 mean["gpu"] = {k: on_gpu[k].astype(float).mean() for k in _GPU_FIELDS}
             if rank in by_rank:  # collective time waiting for the group's last rank vs after it
-                mean["collectives"] = {str(d): {"wait_s": float(w), "transfer_s": float(t)} for d, w, t in
-                                       zip(by_rank[rank]["dim"], by_rank[rank]["wait_s"], by_rank[rank]["transfer_s"])}
+                mean["collectives"] = by_rank[rank]
         out.append({
             "rank": rank, "coords": coords,
             "describe": view.layout.describe(rank) if rank < view.layout.world_size else None,
