@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     from dashboards.page import build_figures, render_html
     from pptrace.analysis import analyze
-    from pptrace.ingest.run import load_run
+    from pptrace.run.build import load_run
 
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_dashboard_"))
     t = time.perf_counter()

@@ -43,7 +43,7 @@ def child(mode: str, run_dir: str) -> None:
     files = sorted(str(p) for p in (Path(run_dir) / "traces").glob("*.json"))
     if mode.startswith("pptrace") or mode == "baseline":
         sys.path.insert(0, str(ROOT))
-        from pptrace.ingest.run import load_run
+        from pptrace.run.build import load_run
     elif mode == "hta":
         from hta.trace_analysis import TraceAnalysis
     import orjson

@@ -10,7 +10,7 @@ the saving theory promises. A speed measurement, not a correctness check: on a q
 box interleaved with overlap_p2p_comm saves 40-150% of its 45 ms and ZB-H1 of its 60 ms; on a
 slow or busy one the doubled exchanges of interleaved eat most of its gain (a busy core once
 gave interleaved 441 ms against its 285 while the 1F1B run beside it paid 40 ms over its 330).
-The tests check only what holds on any machine (tests/test_train.py: no schedule beats its
+The tests check only what holds on any machine (tests/trainer/test_train.py: no schedule beats its
 sleeps).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ RUNS = {
     "interleaved-overlap": ["--bwd-ms", "20", "--schedule", "interleaved", "--vpp", "2"],
     "zb-h1": ["--bwd-ms", "10", "--wgrad-ms", "10", "--schedule", "zb-h1"],
 }
-#: the sleeps alone (tests/test_train.py derives the same numbers)
+#: the sleeps alone (tests/trainer/test_train.py derives the same numbers)
 THEORY_S = {"1f1b": 0.330, "interleaved": 0.285, "interleaved-overlap": 0.285, "zb-h1": 0.270}
 
 

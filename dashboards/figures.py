@@ -8,6 +8,7 @@ range called ``<img src=x onerror=...>`` must reach it as entities to show up as
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import plotly.graph_objects as go
@@ -17,7 +18,7 @@ from pptrace.topology import Layout
 from pptrace import vocab
 
 from .blocks import PLOT_WIDTH_PX, block_traces, fitting_labels, label_font_px
-from .timeline import PIPELINE_PHASES, Timeline
+from .timeline import COMM_ROW, COMPUTE_ROW, P2P_ROW, PASS_PHASES, PIPELINE_PHASES, Span, Timeline
 
 # Stacked bars read best with the pipeline's own parts next to compute.
 _LEADING = ("compute", "pp_bubble", "pp_transfer")
@@ -148,7 +149,7 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
     lane_label = {lane.rank: lane.label for lane in tl.lanes}
     n_rows = max(lane.y for lane in tl.lanes) + 3
     px_row = max(7.0, min(22.0, 1500.0 / n_rows))
-    row_offset = {"compute": (0.0, 0.8), "p2p": (1.0, 0.32), "comm": (2.0, 0.6)}
+    row_offset = {COMPUTE_ROW: (0.0, 0.8), P2P_ROW: (1.0, 0.32), COMM_ROW: (2.0, 0.6)}  # (y offset, height)
     y_range = [max(lane.y for lane in tl.lanes) + 2.5, -0.5]
     fig = go.Figure()
     step_of_trace = []
@@ -162,7 +163,7 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
         idle = tl.idle[tl.idle["step"] == step]
         blocks = tl.blocks[tl.blocks["step"] == step]
         span = (float(blocks["end_ms"].max() - min(0.0, float(blocks["start_ms"].min())))
-                if len(blocks) else tl.step_spans_ms[step][1])
+                if len(blocks) else tl.step_spans_ms[step].end_ms)
         px_per_ms = PLOT_WIDTH_PX / max(span, 1e-9)
         if step in tl.pipeline_ms:
             lo, hi = tl.pipeline_ms[step]
@@ -189,19 +190,19 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
             row = pb["row"].iloc[0]
             offset, height = row_offset[row]
             y = pb["rank"].map(y_of).to_numpy(dtype=float) + offset
-            if row == "p2p":  # recv and send of one batched exchange overlap: split the row
+            if row == P2P_ROW:  # recv and send of one batched exchange overlap: split the row
                 y = y + (-0.18 if phase == "recv" else 0.18)
             add(*block_traces(pb["start_ms"].to_numpy(), pb["end_ms"].to_numpy(), y, height,
                                _block_hover(pb, lane_label), name=esc(name), color=color,
                                meta={"step": step, "phase": phase}, px_per_unit=px_per_ms),
                 step=step)
-        labelled = blocks[blocks["phase"].isin(["F", "B", "W"]) & (blocks["merged"] == 1)]
+        labelled = blocks[blocks["phase"].isin(list(PASS_PHASES)) & (blocks["merged"] == 1)]
         if not labelled.empty:
             add(_label_trace(labelled, y_of, step, px_row, span), step=step)
         # autorange stops on the last block's edge, which then reads as cut off: an invisible
         # point 2% past the step's end keeps it inside the plot (and follows the step buttons)
-        end = max(float(blocks["end_ms"].max()) if len(blocks) else tl.step_spans_ms[step][1],
-                  tl.pipeline_ms.get(step, (0.0, 0.0))[1])
+        end = max(float(blocks["end_ms"].max()) if len(blocks) else tl.step_spans_ms[step].end_ms,
+                  tl.pipeline_ms.get(step, Span(0.0, 0.0)).end_ms)
         add(go.Scatter(x=[1.02 * end], y=[y_range[1]], mode="markers", marker=dict(opacity=0, size=1),
                        hoverinfo="skip", showlegend=False, meta={"step": step, "phase": "extent"}),
             step=step)
@@ -210,7 +211,7 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
     for trace, step in zip(fig.data, step_of_trace):
         trace.visible = step == first
     # Row names only where they stay cheap: every tick label is measured in the DOM at load.
-    sub_rows = ((1, "p2p"), (2, "comm")) if len(tl.lanes) <= 16 else ()
+    sub_rows = ((1, P2P_ROW), (2, COMM_ROW)) if len(tl.lanes) <= 16 else ()
     ticks = [(lane.y + off, text) for lane in tl.lanes
              for off, text in ((0, esc(lane.label)), *sub_rows)]
     shapes = [dict(type="line", xref="paper", x0=0, x1=1, y0=b.y - 0.8, y1=b.y - 0.8,
@@ -228,7 +229,7 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
                    gridcolor="#eee", zeroline=False, rangemode="tozero"),
         # an explicit y range: autorange would pad it by 5% of the lanes (hover targets count
         # as points), and the reversed range puts stage 0 on top
-        yaxis=dict(tickvals=[t[0] for t in ticks], ticktext=[t[1] for t in ticks],
+        yaxis=dict(tickvals=[y for y, _ in ticks], ticktext=[text for _, text in ticks],
                    range=y_range, showgrid=False, zeroline=False, tickfont=dict(size=10),
                    ticklabeloverflow="allow"),
     )
@@ -385,7 +386,7 @@ def p2p_matrix_figure(report: dict) -> go.Figure:
     metrics = (("bytes", "bytes per step", "bytes", 1.0, "%{z:,.0f} B", "%{z:.3~s}"),
                ("wait_s", "wait (ms per step)", "wait", 1000.0, "%{z:.3f} ms", "%{z:.3~f}"),
                ("transfer_s", "transfer (ms per step)", "transfer", 1000.0, "%{z:.3f} ms", "%{z:.3~f}"))
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[m[1] for m in metrics],
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[title for _, title, *_ in metrics],
                         horizontal_spacing=0.08)
     for col, (key, _, label, scale, hover, text) in enumerate(metrics, start=1):
         z = np.full((n, n), np.nan)
@@ -532,6 +533,15 @@ def straggler_figure(report: dict) -> go.Figure:
 
 
 # -- measured vs replayed (what-if) -------------------------------------------------------------
+class _Pass(NamedTuple):
+    """A block of the replay figure: on the lane of (source, stage), times in s."""
+
+    source: str  # "measured" or "replayed"
+    stage: int
+    phase: str
+    mb: int
+    start_s: float
+    end_s: float
 
 
 def replay_figure(report: dict, whatif_result: dict | None, *, why_none: str | None = None) -> go.Figure:
@@ -554,28 +564,28 @@ def replay_figure(report: dict, whatif_result: dict | None, *, why_none: str | N
         first_rank.setdefault(r["stage"], r["rank"])
     measured = [r for r in rows if r["step"] == step and r["rank"] == first_rank[r["stage"]]]
     cols = sim["columns"]
-    simulated = [row for row in (dict(zip(cols, r)) for r in sim["rows"]) if row["kind"] in ("F", "B", "W")]
+    simulated = [row for row in (dict(zip(cols, r)) for r in sim["rows"]) if row["kind"] in PASS_PHASES]
     # The replay has every stage; the measurement only those whose ranks were loaded (a rank
     # missing, filtered out, unreadable): each stage keeps both lanes, an untraced one empty.
     stages = sorted(set(first_rank) | {int(r["stage"]) for r in simulated})
     lane = {}  # (source, stage) -> y; measured lane above its replay
     for i, stage in enumerate(stages):
         lane[("measured", stage)], lane[("replayed", stage)] = 2 * i, 2 * i + 1
-    blocks = [(("measured", r["stage"]), PIPELINE_PHASES.get(r["op"], "compute"), r["mb"],
-               r["start_s"], r["start_s"] + r["dur_s"]) for r in measured]
-    blocks += [(("replayed", r["stage"]), r["kind"], r["mb"], r["start_s"], r["end_s"]) for r in simulated]
+    blocks = [_Pass("measured", r["stage"], PIPELINE_PHASES.get(r["op"], "compute"), r["mb"],
+                    r["start_s"], r["start_s"] + r["dur_s"]) for r in measured]
+    blocks += [_Pass("replayed", r["stage"], r["kind"], r["mb"], r["start_s"], r["end_s"]) for r in simulated]
     fig = go.Figure()
-    span_ms = 1e3 * max([b[4] for b in blocks] or [1.0])
-    for phase in ("F", "B", "W", "compute"):
-        mine = [b for b in blocks if b[1] == phase]
+    span_ms = 1e3 * max([b.end_s for b in blocks] or [1.0])
+    for phase in (*PASS_PHASES, "compute"):
+        mine = [b for b in blocks if b.phase == phase]
         if not mine:
             continue
-        x0 = np.array([b[3] for b in mine]) * 1e3
-        x1 = np.array([b[4] for b in mine]) * 1e3
-        text = [f"{b[0][0]} stage {b[0][1]}<br>{phase} mb {b[2]}<br>{fmt_ms(1e3 * (b[4] - b[3]))}"
+        x0 = np.array([b.start_s for b in mine]) * 1e3
+        x1 = np.array([b.end_s for b in mine]) * 1e3
+        text = [f"{b.source} stage {b.stage}<br>{phase} mb {b.mb}<br>{fmt_ms(1e3 * (b.end_s - b.start_s))}"
                 for b in mine]
         name, color = PHASE_STYLE[phase]
-        fig.add_traces(block_traces(x0, x1, np.array([lane[b[0]] for b in mine], dtype=float),
+        fig.add_traces(block_traces(x0, x1, np.array([lane[(b.source, b.stage)] for b in mine], dtype=float),
                                      0.6, text, name=name, color=color, meta={"phase": phase},
                                      px_per_unit=PLOT_WIDTH_PX / span_ms))
     measured_s = (whatif_result.get("measured") or {}).get("step_time_s")
@@ -588,7 +598,7 @@ def replay_figure(report: dict, whatif_result: dict | None, *, why_none: str | N
         xaxis_ticklabeloverflow="allow",
         height=max(260, 36 * len(lane) + 120), xaxis_title="ms from the pipeline window start",
         # autorange ends the axis on the last block's edge, which then reads as cut off
-        xaxis_range=[min(0.0, 1e3 * min((b[3] for b in blocks), default=0.0)), 1.02 * span_ms],
+        xaxis_range=[min(0.0, 1e3 * min((b.start_s for b in blocks), default=0.0)), 1.02 * span_ms],
         yaxis={"tickvals": list(labels), "ticktext": list(labels.values()),
                "range": [len(lane) - 0.5, -0.5], "ticklabeloverflow": "allow"},
         legend=TOP_LEGEND, margin=dict(l=_rank_axis_margin(list(labels.values()))),

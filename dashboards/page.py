@@ -339,7 +339,7 @@ def write_pngs(figures: dict, png_dir) -> list[Path]:
 
 def write_dashboard(run, report: dict, out_path, *, partitions, ranges, whatif_result: dict | None = None,
                     whatif_note: str | None = None, png_dir=None) -> Path:
-    """Write the page for ``run`` (a :class:`pptrace.ingest.run.Run`), its contract-4 ``report``
+    """Write the page for ``run`` (a :class:`pptrace.run.Run`), its contract-4 ``report``
     and the results beside it (see :func:`build_figures`); with ``png_dir``, also one PNG per
     figure. Returns the HTML path."""
     out_path = Path(out_path)

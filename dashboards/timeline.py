@@ -1,5 +1,5 @@
 """Per-rank timeline lanes and blocks for the pipeline view, from the ranges the caller hands
-in (``pptrace.ingest.projection.drawn_ranges``: each where its work ran).
+in (``pptrace.timeline.projection.drawn_ranges``: each where its work ran).
 
 This is display geometry only: which range goes on which row, where, in what colour group.
 Nothing here attributes time. The windows and the grey idle are the analysis' own: each
@@ -10,6 +10,7 @@ the partition covers), and the idle of a (rank, step) is exactly its partition's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -19,7 +20,11 @@ from pptrace.vocab import ACTION_OF, COMM_CATEGORIES, COMM_DIMS
 #: compute ops -> the phase letter of the Megatron / Zero Bubble pipeline diagrams, which draw
 #: a split backward's input-gradient half as B
 PIPELINE_PHASES = {op: "B" if action == "I" else action for op, action in ACTION_OF.items()}
-ROWS = ("compute", "p2p", "comm")
+#: the phases drawn as passes, labelled with their microbatch
+PASS_PHASES = ("F", "B", "W")
+#: a lane's rows, top to bottom: the row of index i sits at Lane.y + i
+COMPUTE_ROW, P2P_ROW, COMM_ROW = "compute", "p2p", "comm"
+ROWS = (COMPUTE_ROW, P2P_ROW, COMM_ROW)
 _COMM_CATEGORIES = {**dict(zip(COMM_CATEGORIES, COMM_DIMS)), "wait": "wait"}
 BLOCK_COLUMNS = (
     "step", "rank", "row", "phase", "start_ms", "end_ms", "dur_ns", "name", "mb", "chunk", "peer",
@@ -37,6 +42,13 @@ class Lane:
     y: float
 
 
+class Span(NamedTuple):
+    """A step's span or its pipeline window on the x axis: ms since the step's origin."""
+
+    start_ms: float
+    end_ms: float
+
+
 @dataclass
 class Timeline:
     blocks: pd.DataFrame  # BLOCK_COLUMNS, times in ms since the step's start
@@ -45,8 +57,8 @@ class Timeline:
     steps: list[int]
     has_comm: bool
     merged_blocks: int = 0  # blocks folded into neighbours by decimation (0 = every op drawn)
-    step_spans_ms: dict = field(default_factory=dict)  # step -> (0, end of that step in ms)
-    pipeline_ms: dict = field(default_factory=dict)  # step -> the analysis' pipeline window, ms
+    step_spans_ms: dict = field(default_factory=dict)  # step -> Span (0, end of that step)
+    pipeline_ms: dict = field(default_factory=dict)  # step -> Span of the analysis' pipeline window
 
     def __post_init__(self):
         missing = set(BLOCK_COLUMNS) - set(self.blocks.columns)
@@ -62,17 +74,17 @@ def _phase_and_row(events: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
 
     compute = category == "compute"
     phase[compute] = op[compute].map(PIPELINE_PHASES).fillna("compute")
-    row[compute] = "compute"
+    row[compute] = COMPUTE_ROW
 
     p2p = category == "p2p"
     op_text = op.fillna("").astype(str)
     phase[p2p] = np.where(op_text[p2p].str.startswith("send"), "send",
                           np.where(op_text[p2p].str.startswith("recv"), "recv", "p2p"))
-    row[p2p] = "p2p"
+    row[p2p] = P2P_ROW
 
     comm = category.isin(list(_COMM_CATEGORIES))
     phase[comm] = category[comm].map(_COMM_CATEGORIES)
-    row[comm] = "comm"
+    row[comm] = COMM_ROW
     return phase, row
 
 
@@ -80,7 +92,7 @@ def _kernel_phase_and_row(kernels: pd.DataFrame) -> tuple[np.ndarray, np.ndarray
     """Kernels drawn in place of ranges (plain GPU traces): compute kernels on the compute
     row, NCCL kernels on the comm row."""
     comm = (kernels["category"].astype(object) == "kernel_comm").to_numpy()
-    return np.where(comm, "nccl", "kernel"), np.where(comm, "comm", "compute")
+    return np.where(comm, "nccl", "kernel"), np.where(comm, COMM_ROW, COMPUTE_ROW)
 
 
 def lanes_for(layout, ranks) -> list[Lane]:
@@ -138,11 +150,12 @@ def _origins(step_windows: dict) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _bubble_intervals(partitions, origins: dict) -> pd.DataFrame:
-    """The partition's pp_bubble of every (rank, step), in ms since the step's origin."""
-    mine = [(p, p.parts["pp_bubble"]) for p in partitions if p.step in origins]
+def _bubble_intervals(partitions, origin_ns: dict) -> pd.DataFrame:
+    """The partition's pp_bubble of every (rank, step), in ms since the step's origin
+    (``origin_ns``: step -> its x origin)."""
+    mine = [(p, p.parts["pp_bubble"]) for p in partitions if p.step in origin_ns]
     counts = [len(bubble) for _, bubble in mine]
-    origin = np.repeat(np.array([origins[p.step][0] for p, _ in mine], dtype=np.int64), counts)
+    origin = np.repeat(np.array([origin_ns[p.step] for p, _ in mine], dtype=np.int64), counts)
     starts = np.concatenate([np.zeros(0, np.int64), *(bubble.starts for _, bubble in mine)])
     ends = np.concatenate([np.zeros(0, np.int64), *(bubble.ends for _, bubble in mine)])
     return pd.DataFrame({
@@ -165,6 +178,7 @@ def build_timeline(ranges: pd.DataFrame, layout, step_windows: dict, pipeline_wi
     origins = _origins(step_windows)
     wanted = sorted(origins) if steps is None else [s for s in sorted(set(steps)) if s in origins]
     origins = {s: origins[s] for s in wanted}
+    origin_ns = {s: lo for s, (lo, _) in origins.items()}
     picked = ranges[ranges["step"].isin(wanted)]
     kernels = picked["category"].astype(object).isin(["kernel_compute", "kernel_comm"])
     if len(picked) and kernels.all():
@@ -174,7 +188,7 @@ def build_timeline(ranges: pd.DataFrame, layout, step_windows: dict, pipeline_wi
         phase, row = _phase_and_row(picked)
     picked = picked.assign(phase=phase, row=row)
 
-    start0 = picked["step"].map({s: origins[s][0] for s in wanted}).astype("int64")
+    start0 = picked["step"].map(origin_ns).astype("int64")
     blocks = pd.DataFrame({
         "step": picked["step"].astype(int).to_numpy(),
         "rank": picked["rank"].astype(int).to_numpy(),
@@ -193,12 +207,12 @@ def build_timeline(ranges: pd.DataFrame, layout, step_windows: dict, pipeline_wi
     })
     blocks, merged = decimate(blocks, max_blocks)
     ranks = sorted(int(r) for r in (ranges["rank"].unique() if ranks is None else ranks))
-    pipes = {s: ((w[0] - origins[s][0]) / 1e6, (w[1] - origins[s][0]) / 1e6)
-             for s, w in (pipeline_windows or {}).items() if s in origins}
+    pipes = {s: Span((lo - origin_ns[s]) / 1e6, (hi - origin_ns[s]) / 1e6)
+             for s, (lo, hi) in (pipeline_windows or {}).items() if s in origins}
     return Timeline(
         blocks=blocks.reset_index(drop=True),
-        idle=_bubble_intervals(partitions, origins),
-        lanes=lanes_for(layout, ranks), steps=wanted, has_comm=bool((blocks["row"] == "comm").any()),
-        merged_blocks=merged, step_spans_ms={s: (0.0, (hi - lo) / 1e6) for s, (lo, hi) in origins.items()},
+        idle=_bubble_intervals(partitions, origin_ns),
+        lanes=lanes_for(layout, ranks), steps=wanted, has_comm=bool((blocks["row"] == COMM_ROW).any()),
+        merged_blocks=merged, step_spans_ms={s: Span(0.0, (hi - lo) / 1e6) for s, (lo, hi) in origins.items()},
         pipeline_ms=pipes,
     )

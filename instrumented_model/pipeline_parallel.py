@@ -1,6 +1,7 @@
-"""Pipeline schedules with Megatron's names: no pipelining, GPipe, 1F1B, ZB-H1; the interleaved
-schedule lives in ``schedules_interleaved.py`` (which needs nothing from here: a schedule gets
-its ``PipelineRun`` as an argument).
+"""Pipeline schedules with Megatron's names: no pipelining, GPipe, 1F1B, ZB-H1 and the
+interleaved (virtual pipeline) schedule, every one the executed program of
+``pptrace.schedules.tables.stage_steps``: the order of passes and the p2p ops between them are
+written there once, for this trainer and for the what-if simulator that replays them.
 
 A schedule only decides *order* and *communication*; the work itself is a ``StageCompute``
 (the real model chunks, or sleeps) so the same schedule code runs in both modes. Every pass is
@@ -18,11 +19,10 @@ from typing import Optional, Protocol
 import torch
 
 from pptrace import region
+from pptrace.schedules.tables import Exchange, stage_steps
 
 from . import pp_communications as p2p
 from .pp_communications import Message, P2PContext
-from .schedules_interleaved import forward_backward_pipelining_with_interleaving
-from pptrace.schedules.tables import num_warmup_microbatches, ws_after_backward
 
 
 class StageCompute(Protocol):
@@ -93,82 +93,92 @@ class PipelineRun:
             self.compute.backward_weight(mb, chunk)
 
 
-def _msg(mb: int, tensor=None) -> Message:
-    return Message(mb=mb, chunk=0, tensor=tensor)
+def execute(run: PipelineRun, program: list) -> None:
+    """Run a stage program of ``pptrace.schedules.tables`` (the one the what-if replays): its
+    passes in order, and each exchange posted with the output of the latest pass of its
+    direction, waited at once ("comm", Megatron's combined ops: ``send_forward_recv_backward``
+    is the op sending the forward's output and receiving the backward's grad) or at its
+    "wait" (ZB-H1, overlap_p2p_comm)."""
+    ctx = run.comm
+    # A program with W passes splits every backward: its B is then the input grad alone.
+    split_backward = any(not isinstance(step, Exchange) and step[0] == "W" for step in program)
+    # A pass's input is the tensor whose message names that pass's (microbatch, chunk): the
+    # tag convention of pp_communications, so a pass finds its input whichever op brought it.
+    inputs: dict = {}
+    pending: dict = {}  # handle -> (the posted op, what it receives)
+    output = grad_input = None  # what the last forward / backward produced, for the next send
+
+    def received(exchange: Exchange, tensors) -> None:
+        from_prev, from_next = tensors
+        if exchange.recv_prev is not None:
+            inputs[("F", *exchange.recv_prev)] = from_prev
+        if exchange.recv_next is not None:
+            inputs[("B", *exchange.recv_next)] = from_next
+
+    for step in program:
+        if not isinstance(step, Exchange):
+            op, mb, chunk = step
+            if op == "F":
+                output = run.forward(mb, chunk, inputs.pop(("F", mb, chunk), None))
+            elif op == "W":
+                run.backward_weight(mb, chunk)
+            else:
+                backward = run.backward_input if split_backward else run.backward
+                grad_input = backward(mb, chunk, inputs.pop(("B", mb, chunk), None))
+        elif step.kind == "wait":
+            posted, exchange = pending.pop(step.handle)
+            received(exchange, posted.wait())
+        else:
+            posted = p2p.post(
+                ctx,
+                send_next=_message(step.send_next, output),
+                send_prev=_message(step.send_prev, grad_input),
+                recv_prev=_message(step.recv_prev),
+                recv_next=_message(step.recv_next),
+            )
+            if step.kind == "post":
+                pending[step.handle] = (posted, step)
+            else:
+                received(step, posted.wait())
 
 
+def _message(carried, tensor=None):
+    return None if carried is None else Message(*carried, tensor)
+
+
+# -- Megatron's entry points: each the program of its schedule ----------------------------
 def forward_backward_no_pipelining(run: PipelineRun) -> None:
-    """pp=1: F and B of each microbatch back to back (the 1F1B table with no warm-up)."""
-    for mb in range(run.num_microbatches):
-        run.forward(mb, 0, None)
-        run.backward(mb, 0, None)
+    """pp=1: each microbatch's F then its B (1F1B's program on a one-stage pipeline)."""
+    execute(run, stage_steps("1f1b", 1, 0, run.num_microbatches))
 
 
 def forward_backward_gpipe(run: PipelineRun) -> None:
     """GPipe: all forwards, then all backwards (in microbatch order)."""
-    ctx, m = run.comm, run.num_microbatches
-    for mb in range(m):
-        x = p2p.recv_forward(ctx, _msg(mb))
-        y = run.forward(mb, 0, x)
-        p2p.send_forward(ctx, _msg(mb, y))
-    for mb in range(m):
-        g = p2p.recv_backward(ctx, _msg(mb))
-        dx = run.backward(mb, 0, g)
-        p2p.send_backward(ctx, _msg(mb, dx))
+    execute(run, stage_steps("gpipe", run.pp_size, run.pp_rank, run.num_microbatches))
 
 
 def forward_backward_pipelining_without_interleaving(run: PipelineRun, zero_bubble: bool = False) -> None:
     """1F1B (PipeDream-flush, Megatron's non-interleaved schedule), or ZB-H1 when
     ``zero_bubble``: the same F/B order with each backward split into B (input grad, on the
-    critical path, sent upstream at once) and W (weight grad), W deferred per
-    ``schedule_table("zb-h1", ...)`` to fill the cool-down bubble."""
-    ctx, m, p, r = run.comm, run.num_microbatches, run.pp_size, run.pp_rank
-    w = num_warmup_microbatches("1f1b", p, r, m)
-    remaining = m - w
-    w_after_b = ws_after_backward(p, r, m) if zero_bubble else {}
-
-    def backward_and_send(mb: int, grad, recv_fwd_mb: Optional[int]):
-        """B of ``mb`` then its send upstream, combined with the next forward's recv as
-        Megatron does. Under ZB-H1 the W's run between posting and waiting, so neither the
-        upstream stage (waiting for this grad) nor this one (blocked in a send until the
-        peer posts its recv) idles while weight grads are pending."""
-        if not zero_bubble:
-            dx = run.backward(mb, 0, grad)
-            if recv_fwd_mb is None:
-                p2p.send_backward(ctx, _msg(mb, dx))
-                return None
-            return p2p.send_backward_recv_forward(ctx, _msg(mb, dx), _msg(recv_fwd_mb))
-        dx = run.backward_input(mb, 0, grad)
-        recv = None if recv_fwd_mb is None else _msg(recv_fwd_mb)
-        pending = p2p.post(ctx, send_prev=_msg(mb, dx), recv_prev=recv)
-        for j in w_after_b.get(mb, []):
-            run.backward_weight(j, 0)
-        return pending.wait()[0]
-
-    # Warm-up: fill the pipeline with the forwards of the first w microbatches.
-    for mb in range(w):
-        x = p2p.recv_forward(ctx, _msg(mb))
-        y = run.forward(mb, 0, x)
-        p2p.send_forward(ctx, _msg(mb, y))
-
-    x = p2p.recv_forward(ctx, _msg(w)) if remaining > 0 else None
-
-    # Steady state: one forward (microbatch w+i), one backward (microbatch i).
-    for i in range(remaining):
-        fwd_mb = w + i
-        y = run.forward(fwd_mb, 0, x)
-        grad = p2p.send_forward_recv_backward(ctx, _msg(fwd_mb, y), _msg(i))
-        last = i == remaining - 1
-        x = backward_and_send(i, grad, None if last else fwd_mb + 1)
-
-    # Cool-down: the backwards of the warm-up microbatches, as their grads come back.
-    for mb in range(remaining, m):
-        grad = p2p.recv_backward(ctx, _msg(mb))
-        backward_and_send(mb, grad, None)
+    critical path, sent upstream at once) and W (weight grad), W deferred to fill the
+    cool-down bubble."""
+    schedule = "zb-h1" if zero_bubble else "1f1b"
+    execute(run, stage_steps(schedule, run.pp_size, run.pp_rank, run.num_microbatches))
 
 
 def forward_backward_zero_bubble_h1(run: PipelineRun) -> None:
     forward_backward_pipelining_without_interleaving(run, zero_bubble=True)
+
+
+def forward_backward_pipelining_with_interleaving(run: PipelineRun) -> None:
+    """Megatron's interleaved 1F1B (virtual pipeline): each stage holds ``run.vpp`` chunks and
+    activations travel a ring (stage p-1's chunk c feeds stage 0's chunk c+1). Without
+    overlap_p2p_comm every pass is followed by one combined op that sends its result and
+    receives the next pass's input (``send_forward_recv_forward``, the steady state's
+    ``send_forward_backward_recv_forward_backward``, ...); with it, each direction's op is
+    posted after its pass and waited right before its tensor is used."""
+    execute(run, stage_steps("interleaved", run.pp_size, run.pp_rank, run.num_microbatches, run.vpp,
+                             run.overlap_p2p_comm))
 
 
 def get_forward_backward_func(schedule: str, pp: int, vpp: int = 1):

@@ -1,9 +1,13 @@
-"""Pipeline point-to-point communication, with Megatron's function names.
+"""Pipeline point-to-point communication: ``post`` one op of any directions, ``wait`` on it.
 
+The schedules' programs (``pptrace.schedules.tables``) name each op's directions, and
+``pipeline_parallel.execute`` posts exactly those: Megatron's combined functions
+(``send_forward_recv_backward``, the interleaved four-way
+``send_forward_backward_recv_forward_backward``, ...) are one ``post`` of their directions.
 Every op posts ``dist.isend``/``dist.irecv`` to *global* peer ranks and then waits, and each
 direction is wrapped in a contract-1 region (``pp:send_fwd``, ``pp:recv_fwd``,
 ``pp:send_bwd``, ``pp:recv_bwd``) that spans from posting to completion. Combined ops
-(``send_forward_recv_backward`` ...) nest their regions, post everything, then wait for
+nest their regions, post everything, then wait for
 everything, like Megatron's ``batch_isend_irecv`` path.
 
 Tag convention (how the analysis pairs a send with its recv across ranks): both sides tag a
@@ -143,39 +147,3 @@ def post(
             r.__exit__(None, None, None)
         raise
     return pending
-
-
-def _communicate(ctx: P2PContext, **directions):
-    """Post and wait: returns (tensor_from_prev, tensor_from_next)."""
-    return post(ctx, **directions).wait()
-
-
-# -- Megatron's names ------------------------------------------------------------------
-# Each takes the Message(s) describing the microbatch/chunk of every direction involved.
-# The interleaved schedule's combined ops (send_forward_recv_forward, the four-way
-# send_forward_backward_recv_forward_backward, ...) are ``post(...).wait()`` of the
-# directions its program names (schedules_interleaved.py).
-
-
-def recv_forward(ctx: P2PContext, msg: Message):
-    return _communicate(ctx, recv_prev=msg)[0]
-
-
-def recv_backward(ctx: P2PContext, msg: Message):
-    return _communicate(ctx, recv_next=msg)[1]
-
-
-def send_forward(ctx: P2PContext, msg: Message) -> None:
-    _communicate(ctx, send_next=msg)
-
-
-def send_backward(ctx: P2PContext, msg: Message) -> None:
-    _communicate(ctx, send_prev=msg)
-
-
-def send_forward_recv_backward(ctx: P2PContext, send: Message, recv: Message):
-    return _communicate(ctx, send_next=send, recv_next=recv)[1]
-
-
-def send_backward_recv_forward(ctx: P2PContext, send: Message, recv: Message):
-    return _communicate(ctx, send_prev=send, recv_prev=recv)[0]

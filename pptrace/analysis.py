@@ -26,11 +26,12 @@ from .analyzers.collectives import collectives_by_dim, waits_by_rank
 from .analyzers.critical_path import step_bounds
 from .analyzers.experts import expert_load
 from .analyzers.gpu_timeline import gpu_timeline, is_launch_bound
-from .analyzers.p2p import link_table, match_pairs
+from .analyzers.p2p import MatchedPairs, link_table, match_pairs
 from .analyzers.partition import breakdown_table, partition_run
 from .analyzers.stragglers import find_stragglers
-from .ingest.projection import drawn_ranges
-from .ingest.run import Run, load_run
+from .timeline.projection import KERNEL_CATEGORIES, drawn_ranges
+from .run.model import Run
+from .run.build import load_run
 from .progress import ANALYSE, phased
 from .vocab import COMM_DIMS, PARTS, RANGE_KINDS
 
@@ -74,19 +75,19 @@ def _whole_counts(report: dict) -> dict:
     return report
 
 
-def _select(view: Run, steps, ranks) -> tuple[Run, list[str]]:
+def _select(run: Run, steps, ranks) -> tuple[Run, list[str]]:
     warnings = []
     if steps is None:
-        return view, warnings
+        return run, warnings
     wanted = [int(s) for s in steps]
-    keep = [s for s in view.steps if s in wanted] if view.steps else wanted
+    keep = [s for s in run.steps if s in wanted] if run.steps else wanted
     absent = sorted(set(wanted) - set(keep))
     if absent:
-        warnings.append(f"requested steps {absent} were not profiled (profiled: {list(view.steps)})")
-    return replace(view, steps=tuple(keep)), warnings
+        warnings.append(f"requested steps {absent} were not profiled (profiled: {list(run.steps)})")
+    return replace(run, steps=tuple(keep)), warnings
 
 
-def _gpu_warnings(view: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> list[str]:
+def _gpu_warnings(run: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> list[str]:
     """What a GPU trace could not tell, and the launch-bound hint."""
     warnings = []
     if not contract and len(gpu):
@@ -117,22 +118,26 @@ def _gpu_warnings(view: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> l
     return warnings
 
 
-def _input_warnings(view: Run, partitions, pairs_unmatched) -> list[str]:
-    ev = view.events
+def _has_contract_ranges(events: pd.DataFrame) -> bool:
+    """Whether any host range has a contract-1 kind (vocab.RANGE_KINDS)."""
+    return bool((events["kind"].isin(list(RANGE_KINDS)) & (events["lane_kind"] == "host")).any())
+
+
+def _input_warnings(run: Run, partitions, pairs_unmatched) -> list[str]:
+    ev = run.events
     warnings = []
-    contract = ev["kind"].isin(list(RANGE_KINDS)) & (ev["lane_kind"] == "host")
-    gpu_run = ev["category"].isin(["kernel_compute", "kernel_comm"]).any()
-    if not contract.any() and not gpu_run:
+    gpu_run = ev["category"].isin(list(KERNEL_CATEGORIES)).any()
+    if not _has_contract_ranges(ev) and not gpu_run:
         warnings.append(
             "traces without pptrace ranges: dims from process-group metadata; bubble cannot be "
             "separated from p2p: NCCL send/recv kernels count as pp_transfer, and time outside "
             "kernels as other (instrument the trainer with pptrace.region for the full breakdown)"
         )
-    missing = list(getattr(view, "missing_ranks", ()))  # of the ranks requested (load_run's ranks)
-    if missing and not any("no usable trace" in w for w in view.warnings):
-        warnings.append(f"ranks {missing[:8]} of {view.layout.world_size} have no trace; results cover the others only")
+    missing = list(getattr(run, "missing_ranks", ()))  # of the ranks requested (load_run's ranks)
+    if missing and not any("no usable trace" in w for w in run.warnings):
+        warnings.append(f"ranks {missing[:8]} of {run.layout.world_size} have no trace; results cover the others only")
     stepped = {p.rank for p in partitions}
-    unstepped = sorted(set(view.ranks) - stepped)
+    unstepped = sorted(set(run.ranks) - stepped)
     if unstepped:
         warnings.append(
             f"ranks {unstepped[:8]} have no profiled ProfilerStep#N range on their main thread; "
@@ -150,10 +155,10 @@ def _input_warnings(view: Run, partitions, pairs_unmatched) -> list[str]:
             f"{len(pairs_unmatched)} pipeline p2p ranges have no matching peer range; their time "
             "counts as pp_transfer (wait and transfer cannot be told apart without the peer)"
         )
-    already = any("clock alignment" in w for w in view.warnings)
-    if partitions and view.uncertainty_ns and not already:
+    already = any("clock alignment" in w for w in run.warnings)
+    if partitions and run.uncertainty_ns and not already:
         step = float(np.mean([p.wall_ns for p in partitions]))
-        bad = {r: b for r, b in view.uncertainty_ns.items() if b and b > CLOCK_WARN_FRACTION * step}
+        bad = {r: b for r, b in run.uncertainty_ns.items() if b and b > CLOCK_WARN_FRACTION * step}
         if bad:
             worst = max(bad, key=bad.get)
             warnings.append(
@@ -168,17 +173,17 @@ _GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_
                "memcpy_s", "memcpy_exposed_s", "idle_s", "launch_bound_s", "host_launching_s")
 
 
-def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits: pd.DataFrame) -> list[dict]:
+def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits: pd.DataFrame) -> list[dict]:
     out = []
     # rank -> {dim: {wait_s, transfer_s}}: the table's records once (JSON output, not analysis)
     by_rank: dict = {}
     if len(waits):
         for (r, d), v in waits.set_index(["rank", "dim"])[["wait_s", "transfer_s"]].astype(float).to_dict("index").items():
             by_rank.setdefault(int(r), {})[str(d)] = v
-    for rank in view.ranks:
+    for rank in run.ranks:
         if ranks is not None and rank not in ranks:
             continue
-        coords = view.layout.coords(rank)._asdict() if rank < view.layout.world_size else None
+        coords = run.layout.coords(rank)._asdict() if rank < run.layout.world_size else None
         mine = table[table["rank"] == rank]
         hidden = mine[[f"hidden_{d}" for d in COMM_DIMS]].set_axis(list(COMM_DIMS), axis=1)
         steps = [{"step": int(step), "time_s": time, "breakdown_s": parts, "hidden_s": dims}
@@ -201,22 +206,22 @@ def _rank_entries(view: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, wait
                 mean["collectives"] = by_rank[rank]
         out.append({
             "rank": rank, "coords": coords,
-            "describe": view.layout.describe(rank) if rank < view.layout.world_size else None,
-            "clock_offset_us": view.offsets_ns.get(rank, 0) / 1e3,
-            "clock_uncertainty_us": (view.uncertainty_ns.get(rank) or 0) / 1e3,
+            "describe": run.layout.describe(rank) if rank < run.layout.world_size else None,
+            "clock_offset_us": run.offsets_ns.get(rank, 0) / 1e3,
+            "clock_uncertainty_us": (run.uncertainty_ns.get(rank) or 0) / 1e3,
             "steps": steps, "mean": mean,
         })
     return out
 
 
-def _microbatch_rows(view: Run, times: pd.DataFrame) -> list[dict]:
+def _microbatch_rows(run: Run, times: pd.DataFrame) -> list[dict]:
     """Every forward/backward range (``times``: the selected passes): rank, stage, step, mb,
     chunk, op, start_s (from the step's pipeline window start, aligned clocks) and dur_s —
     per-microbatch detail."""
     if times.empty:
         return []
-    windows = view.pipeline_windows
-    origin = times["step"].map({s: w[0] for s, w in windows.items()}).fillna(times.groupby("step")["start_ns"].transform("min"))
+    windows = run.pipeline_windows
+    origin = times["step"].map({s: w.start_ns for s, w in windows.items()}).fillna(times.groupby("step")["start_ns"].transform("min"))
     times = times.assign(start_s=(times["start_ns"] - origin) / 1e9)
     return times[["rank", "stage", "step", "mb", "chunk", "op", "start_s", "dur_s"]].to_dict("records")
 
@@ -224,7 +229,7 @@ def _microbatch_rows(view: Run, times: pd.DataFrame) -> list[dict]:
 class Analysis:
     """Every table of one run's analysis, each computed on first use and kept.
 
-    ``run``: the loaded :class:`~pptrace.ingest.run.Run`; ``steps`` / ``ranks`` select what
+    ``run``: the loaded :class:`~pptrace.run.Run`; ``steps`` / ``ranks`` select what
     is reported (the pipeline window still spans every loaded rank: a stage's bubble is
     defined against all stages). Tables (pandas DataFrames, times in seconds):
 
@@ -251,24 +256,26 @@ class Analysis:
 
     def __init__(self, run: Run, *, steps=None, ranks=None):
         self.run = run
-        self._view, self._selection_warnings = _select(run, steps, ranks)
+        # the tables read the selected steps only; the what-if and the page start from the whole run
+        self._selected_run, self._selection_warnings = _select(run, steps, ranks)
         self._ranks = None if ranks is None else [int(r) for r in ranks]
 
     def __repr__(self) -> str:
         layout = self.run.layout
         sizes = " ".join(f"{d}{n}" for d, n in layout.to_dict().items() if d != "order" and n > 1) or "1 rank"
-        return f"<Analysis: {layout.world_size} ranks ({sizes}), schedule {self.run.schedule}, steps {list(self._view.steps)}>"
+        steps = list(self._selected_run.steps)
+        return f"<Analysis: {layout.world_size} ranks ({sizes}), schedule {self.run.schedule}, steps {steps}>"
 
     # -- what the tables are built from ------------------------------------------------
     @cached_property
-    def _pairs(self) -> tuple[pd.DataFrame, pd.DataFrame]:
-        return match_pairs(self._view)
+    def _matched(self) -> MatchedPairs:
+        return match_pairs(self._selected_run)
 
     @cached_property
     def partitions(self) -> list:
         """The :class:`~pptrace.analyzers.partition.StepPartition` of every (rank, step): the
         intervals each part of ``steps`` sums (the dashboard's timeline draws them)."""
-        return partition_run(self._view, self._view.activities, self._pairs)
+        return partition_run(self._selected_run, self._selected_run.activities, self._matched)
 
     @cached_property
     def drawn_ranges(self) -> pd.DataFrame:
@@ -278,24 +285,24 @@ class Analysis:
 
     @cached_property
     def _stage_pipe(self) -> tuple[pd.DataFrame, dict]:
-        view, partitions = self._view, self.partitions
-        return pipeline_stages(view, partitions, bubble_split(view, partitions, self._pairs[0]))
+        run, partitions = self._selected_run, self.partitions
+        return pipeline_stages(run, partitions, bubble_split(run, partitions, self._matched.pairs))
 
     @cached_property
     def _selected_pairs(self) -> pd.DataFrame:
-        pairs, steps = self._pairs[0], self._view.steps
+        pairs, steps = self._matched.pairs, self._selected_run.steps
         return pairs[pairs["step"].isin(list(steps))] if steps else pairs
 
     @cached_property
     def _instances(self):
-        inst, steps = self._view.collectives, self._view.steps
+        inst, steps = self._selected_run.collectives, self._selected_run.steps
         if steps and inst is not None and len(inst):
             inst = inst[inst["step"].isin(list(steps))]
         return inst
 
     @property
     def _n_steps(self) -> int:
-        return max(len(self._view.steps), 1)
+        return max(len(self._selected_run.steps), 1)
 
     # -- the tables ----------------------------------------------------------------------
     @cached_property
@@ -309,7 +316,8 @@ class Analysis:
 
     @cached_property
     def stages(self) -> pd.DataFrame:
-        return self._stage_pipe[0]
+        stages, _ = self._stage_pipe
+        return stages
 
     @cached_property
     def links(self) -> pd.DataFrame:
@@ -321,18 +329,18 @@ class Analysis:
     @cached_property
     def collectives(self) -> pd.DataFrame:
         chosen = self.partitions if self._ranks is None else [p for p in self.partitions if p.rank in self._ranks]
-        return collectives_by_dim(self._view, chosen, self._instances)
+        return collectives_by_dim(self._selected_run, chosen, self._instances)
 
     @cached_property
     def rank_collectives(self) -> pd.DataFrame:
         """Per (rank, dim): collective wait and transfer per step (waits_by_rank)."""
-        return waits_by_rank(self._view, self._instances)
+        return waits_by_rank(self._selected_run, self._instances)
 
     @cached_property
     def experts(self) -> pd.DataFrame:
         """Per rank with MoE experts: tokens per step, share of its ep group's mean, the
         group's hottest rank and what waiting for it cost the others (analyzers/experts.py)."""
-        load = expert_load(self._view, self.rank_collectives)
+        load = expert_load(self._selected_run, self.rank_collectives)
         return load if self._ranks is None else load[load["rank"].isin(self._ranks)].reset_index(drop=True)
 
     @cached_property
@@ -341,7 +349,7 @@ class Analysis:
 
     @cached_property
     def _bounds(self) -> list[dict]:
-        return step_bounds(self._view)
+        return step_bounds(self._selected_run)
 
     @cached_property
     def critical_path(self) -> pd.DataFrame:
@@ -350,12 +358,12 @@ class Analysis:
 
     @cached_property
     def gpu(self) -> pd.DataFrame:
-        view = self._view
-        return gpu_timeline(view.events, set(view.steps) if view.steps else None)
+        run = self._selected_run
+        return gpu_timeline(run.events, set(run.steps) if run.steps else None)
 
     @cached_property
     def passes(self) -> pd.DataFrame:
-        times = microbatch_times(self._view)
+        times = microbatch_times(self._selected_run)
         return times if self._ranks is None else times[times["rank"].isin(self._ranks)]
 
     # -- outputs -------------------------------------------------------------------------
@@ -406,32 +414,32 @@ class Analysis:
 
 
 def analyze(run_or_path, *, steps=None, ranks=None, **load_options) -> Analysis:
-    """The :class:`Analysis` of a run: a loaded :class:`~pptrace.ingest.run.Run`, or a run
+    """The :class:`Analysis` of a run: a loaded :class:`~pptrace.run.Run`, or a run
     directory / trace file, loaded here (``load_options`` go to
-    :func:`~pptrace.ingest.run.load_run`, e.g. ``use_cache=False``, ``progress=False``)."""
+    :func:`~pptrace.run.load_run`, e.g. ``use_cache=False``, ``progress=False``)."""
     run = run_or_path if isinstance(run_or_path, Run) else load_run(Path(run_or_path), **load_options)
     return Analysis(run, steps=steps, ranks=ranks)
 
 
 @phased(ANALYSE)
 def _build_document(a: Analysis) -> dict:
-    view, ranks = a._view, a._ranks
+    run, ranks = a._selected_run, a._ranks
     stages, pipe = a._stage_pipe
     sel_pairs, n_steps = a._selected_pairs, a._n_steps
     report = {
         "schema": SCHEMA,
         "run": {
-            "world_size": view.layout.world_size, "layout": view.layout.to_dict(),
-            "schedule": view.schedule, "microbatches": view.microbatches or pipe.get("microbatches"),
-            "vpp": view.vpp, "steps": list(view.steps), "ranks": list(view.ranks),
-            "inferred": dict(view.inferred),
-            "comm_kernels": {lib: dict(v) for lib, v in view.comm_kernels.items()},
+            "world_size": run.layout.world_size, "layout": run.layout.to_dict(),
+            "schedule": run.schedule, "microbatches": run.microbatches or pipe.get("microbatches"),
+            "vpp": run.vpp, "steps": list(run.steps), "ranks": list(run.ranks),
+            "inferred": dict(run.inferred),
+            "comm_kernels": {lib: dict(v) for lib, v in run.comm_kernels.items()},
         },
-        "ranks": _rank_entries(view, a._all_steps, ranks, a.gpu, a.rank_collectives),
+        "ranks": _rank_entries(run, a._all_steps, ranks, a.gpu, a.rank_collectives),
         "pipeline": {
             **pipe,
             "stages": stages.to_dict("records") if len(stages) else [],
-            "microbatch_times": _microbatch_rows(view, a.passes),
+            "microbatch_times": _microbatch_rows(run, a.passes),
         },
         # per step, what bounded it: the cross-rank critical path ([] without a pipeline)
         "critical_path": a._bounds,
@@ -439,16 +447,14 @@ def _build_document(a: Analysis) -> dict:
             "pairs": len(sel_pairs) / n_steps,
             "wait_s": float(sel_pairs["wait_ns"].sum()) / 1e9 / n_steps,
             "transfer_s": float(sel_pairs["transfer_ns"].clip(lower=0).sum()) / 1e9 / n_steps,
-            "unmatched": len(a._pairs[1]),
+            "unmatched": len(a._matched.unmatched),
             "links": a.links.to_dict("records"),
         },
         "collectives": a.collectives.to_dict("records"),
         "stragglers": a.stragglers.to_dict("records"),
         # MoE runs only: tokens per ep rank per step and the imbalance's cost
         **({"experts": a.experts.to_dict("records")} if len(a.experts) else {}),
-        "warnings": [*view.warnings, *a._selection_warnings, *_input_warnings(view, a.partitions, a._pairs[1]),
-                     *_gpu_warnings(view, view.activities, a.gpu,
-                                    bool((view.events["kind"].isin(list(RANGE_KINDS))
-                                          & (view.events["lane_kind"] == "host")).any()))],
+        "warnings": [*run.warnings, *a._selection_warnings, *_input_warnings(run, a.partitions, a._matched.unmatched),
+                     *_gpu_warnings(run, run.activities, a.gpu, _has_contract_ranges(run.events))],
     }
     return _whole_counts(_clean(report))

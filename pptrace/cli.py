@@ -2,6 +2,12 @@
 
 Library errors (TraceError, ValueError) become one-line ``click.ClickException``s; anything
 unexpected is reported in one line too, with the traceback only under PPTRACE_DEBUG=1.
+
+One module though past 500 lines: beside the commands it holds only what they share (the
+one-line errors around each command, the --ranks/--steps lists, output paths checked before a
+load, the console's width), all of it click's and the terminal's side and used by nothing
+else; a command reads with its helpers at hand, and a split would only add modules that the
+cli layer (tests/foundation/test_import_layers.py) holds just for the commands.
 """
 from __future__ import annotations
 
@@ -181,7 +187,7 @@ def _console(stderr: bool = False):
 
 
 def _load(run_dir, ranks=None, steps=None, **options):
-    from .ingest.run import load_run
+    from .run.build import load_run
 
     return load_run(run_dir, ranks=ranks, steps=steps, **options)  # progress: pptrace.progress.wanted()
 
@@ -248,7 +254,7 @@ def info(run_dir: Path):
     from .export.tables import printable
     from .ingest.document import rank_of, read_header
     from .ingest.files import find_trace_files, group_by_reason
-    from .ingest.run import assign_ranks, layout_of
+    from .run.build import assign_ranks, layout_of
 
     files = find_trace_files(run_dir)
     problems, found = [], []

@@ -99,7 +99,7 @@ def recorder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def pipeline_view(tmp_path):
+def scenario_run(tmp_path):
     """The hand-built 2-stage pipeline of tracegen.STAGE0/STAGE1 (every number known)."""
     layout = Layout(pp=2)
     return run_from_docs(tmp_path, {0: trace_doc(0, 2, STAGE0, layout=layout), 1: trace_doc(1, 2, STAGE1, layout=layout)},

@@ -85,3 +85,23 @@ def run_gloo(world_size: int, fn, *args, timeout: float = 120):
             rank, text = errors[0]
             raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{text}")
     return [out[r] for r in range(world_size)]
+
+
+def run_case_worlds(fn, worlds: dict, trace_root, timeout: float = 240) -> dict:
+    """``worlds``: world size -> {case name: fn's kwargs}; each world's cases run one after
+    another in one set of gloo ranks (one start-up per world, not per case), a case's
+    ``profile`` naming its trace directory under ``trace_root``. -> case name -> [result of
+    each rank], and "trace_root"."""
+    out = {}
+    for world, cases in worlds.items():
+        todo = []
+        for case in cases.values():
+            case = dict(case)
+            if case.get("profile"):
+                case["profile_dir"] = str(trace_root / case.pop("profile"))
+            todo.append(case)
+        per_rank = run_gloo(world, fn, todo, timeout=timeout)
+        for i, name in enumerate(cases):
+            out[name] = [per_rank[r][i] for r in range(world)]
+    out["trace_root"] = trace_root
+    return out

@@ -24,7 +24,7 @@ import orjson
 import pandas as pd
 
 from pptrace.ingest.load import load_rank
-from pptrace.ingest.run import Run
+from pptrace.run.model import Run
 from pptrace.naming import format_name
 from pptrace.topology import Layout
 

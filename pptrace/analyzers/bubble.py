@@ -21,25 +21,38 @@ number to compare with the theory).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pandas as pd
 
-from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD, FWD_OPS, LOSS, PP_SENDS, SEND_FWD, canonical,
-                     has_closed_form)
+from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD, FWD_OPS, INTERLEAVED, LOSS, PP_SENDS,
+                     SEND_FWD, ZB_H1, canonical, has_closed_form)
 from ..schedules.replay import PipelineTimes, action_programs, latency_free_ends, simulate
-from ..ingest.intervals import Intervals
+from ..timeline.exchanges import on_gpu
+from ..timeline.intervals import Intervals
 
 
-def microbatch_times(view) -> pd.DataFrame:
+class Action(NamedTuple):
+    """One entry of an action order, as ``replay.action_programs`` unpacks it: ``op`` an
+    action letter of vocab.ACTION_OPS (a pass, or the post of a stage's send), ``stage`` the
+    global stage, ``mb`` the microbatch."""
+
+    op: str
+    stage: int
+    mb: int
+
+
+def microbatch_times(run) -> pd.DataFrame:
     """One row per compute range of pipeline work: rank, stage, step, mb, chunk, op, dur_s.
     A last stage's loss (``compute:loss``) is part of its microbatch's forward (as Megatron's
     forward_step computes it): its time is added to that forward's ``dur_s``."""
-    ev = view.events
+    ev = run.events
     sel = ev[(ev["category"] == "compute") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
              & ev["op"].isin(FWD_OPS + BWD_OPS + (LOSS,)) & (ev["step"] >= 0)]
-    if view.steps:
-        sel = sel[sel["step"].isin(list(view.steps))]
-    stage = {r: view.layout.coords(r).pp if r < view.layout.world_size else 0 for r in view.ranks}
+    if run.steps:
+        sel = sel[sel["step"].isin(list(run.steps))]
+    stage = {r: run.layout.coords(r).pp if r < run.layout.world_size else 0 for r in run.ranks}
     times = pd.DataFrame({
         "rank": sel["rank"].to_numpy(np.int64),
         "stage": sel["rank"].map(stage).to_numpy(np.int64),
@@ -108,9 +121,9 @@ def theory_step(schedule: str | None, m: int, v: int, t_stage: np.ndarray, t_w: 
     if len(t_stage) == 0 or m <= 0:
         return 0.0
     slow = float(t_stage.max())
-    if schedule == "interleaved":
+    if schedule == INTERLEAVED:
         fill = (float(t_stage.sum()) - slow) / max(v, 1)
-    elif schedule == "zb-h1":
+    elif schedule == ZB_H1:
         short = t_stage - 2 * t_w
         fill = float(short.sum()) - float(short.max())
     else:
@@ -120,21 +133,21 @@ def theory_step(schedule: str | None, m: int, v: int, t_stage: np.ndarray, t_w: 
 
 def balanced_theory_bubble(schedule: str | None, p: int, v: int, t: float, t_w: float) -> float:
     """The textbook formula for one stage, as if every stage took this stage's times."""
-    if schedule == "interleaved":
+    if schedule == INTERLEAVED:
         return (p - 1) * t / max(v, 1)
-    if schedule == "zb-h1":
+    if schedule == ZB_H1:
         return (p - 1) * (t - 2 * t_w)
     return (p - 1) * t
 
 
-def _measured_orders(times: pd.DataFrame, view, placement: list[int], p: int) -> list | None:
-    """Per pipeline position, the (op, global stage, mb) order one of its ranks ran in its
+def _measured_orders(times: pd.DataFrame, run, placement: list[int], p: int) -> list | None:
+    """Per pipeline position, the Action order one of its ranks ran in its
     first profiled step with passes: the schedule's own order, as the trace shows it, with
     the posts of its sends where it placed them ("SF"/"SB", of the producing stage)."""
     if times.empty:
         return None
     stage_of = {(pos, g // p): g for g, pos in enumerate(placement)}
-    sends = _send_posts(view)
+    sends = _send_posts(run)
     orders = []
     for pos in range(p):
         mine = times[times["stage"] == pos]
@@ -146,24 +159,25 @@ def _measured_orders(times: pd.DataFrame, view, placement: list[int], p: int) ->
         first = first[(first["step"] == step).to_numpy()]
         # (time, 1, action) for passes, (time, 0, action) for sends: a send posted the
         # instant a pass began came first (the pass would have held the thread)
-        items = [(start, 1, (ACTION_OF[op], stage_of.get((pos, int(c)), pos), int(mb)))
+        items = [(start, 1, Action(ACTION_OF[op], stage_of.get((pos, int(c)), pos), int(mb)))
                  for start, op, c, mb in zip(first["start_ns"], first["op"], first["chunk"], first["mb"])]
         posted = sends[(sends["rank"] == rank).to_numpy() & (sends["step"] == step).to_numpy()]
         for start, op, peer, c, mb in zip(posted["start_ns"], posted["op"], posted["peer_pos"], posted["chunk"], posted["mb"]):
             consumer = stage_of.get((int(peer), int(c)))
             if consumer is not None and mb >= 0:  # the send's chunk is its consumer's
-                items.append((start, 0, ("SF", consumer - 1, int(mb)) if op == SEND_FWD else ("SB", consumer + 1, int(mb))))
+                items.append((start, 0, Action("SF", consumer - 1, int(mb)) if op == SEND_FWD
+                              else Action("SB", consumer + 1, int(mb))))
         orders.append([action for _, _, action in sorted(items, key=lambda item: item[:2])])
     return orders
 
 
-def _send_posts(view) -> pd.DataFrame:
+def _send_posts(run) -> pd.DataFrame:
     """Host pipeline sends with mb and peer: rank, step, start_ns, op, peer_pos, chunk, mb."""
-    ev = view.events
+    ev = run.events
     sel = ev[(ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
              & ~ev["gpu_annotation"].to_numpy() & ev["op"].isin(PP_SENDS).to_numpy()
              & ev["peer"].notna().to_numpy() & ev["mb"].notna().to_numpy()]
-    pos = {r: view.layout.coords(r).pp for r in range(view.layout.world_size)}
+    pos = {r: run.layout.coords(r).pp for r in range(run.layout.world_size)}
     return pd.DataFrame({
         "rank": sel["rank"].to_numpy(np.int64), "step": sel["step"].to_numpy(np.int64),
         "start_ns": sel["start_ns"].to_numpy(np.int64), "op": sel["op"].astype(str).to_numpy(),
@@ -172,50 +186,50 @@ def _send_posts(view) -> pd.DataFrame:
     })
 
 
-def _recorded_orders(view, p: int) -> list | None:
+def _recorded_orders(run, p: int) -> list | None:
     """Per pipeline position, the action order the trainer recorded in the pptrace block
     (``pipeline_actions``, written by the integrations), from one rank of each position."""
-    actions = getattr(view, "pipeline_actions", None) or {}
+    actions = getattr(run, "pipeline_actions", None) or {}
     orders: list = [None] * p
     for rank in sorted(actions):
-        pos = view.layout.coords(rank).pp if rank < view.layout.world_size else None
+        pos = run.layout.coords(rank).pp if rank < run.layout.world_size else None
         if pos is not None and orders[pos] is None:
-            orders[pos] = [(str(op), int(stage), int(mb)) for op, stage, mb in actions[rank]]
+            orders[pos] = [Action(str(op), int(stage), int(mb)) for op, stage, mb in actions[rank]]
     return orders if all(o is not None for o in orders) else None
 
 
-def action_orders(view, times: pd.DataFrame, v: int):
+def action_orders(run, times: pd.DataFrame, v: int):
     """(orders per pipeline position, placement, where they came from) of a run, or None:
     the order the trainer's integration recorded, else the order the trace shows."""
     from ..schedules.tables import stage_placement
 
-    p = view.layout.pp
-    placement = stage_placement(view.schedule, p, v)
-    recorded = getattr(view, "stage_ranks", None)
+    p = run.layout.pp
+    placement = stage_placement(run.schedule, p, v)
+    recorded = getattr(run, "stage_ranks", None)
     if recorded and len(recorded) == p * v:
-        placement = [view.layout.coords(int(r)).pp for r in recorded]
+        placement = [run.layout.coords(int(r)).pp for r in recorded]
     # The order as the trace ran it comes first: it holds where sends were posted too; the
     # order the integration recorded (passes only) serves where the trace lacks passes.
-    orders, source = _measured_orders(times, view, placement, p), "replay of the measured action order"
+    orders, source = _measured_orders(times, run, placement, p), "replay of the measured action order"
     if orders is None:
-        orders, source = _recorded_orders(view, p), "replay of the schedule's recorded action order"
+        orders, source = _recorded_orders(run, p), "replay of the schedule's recorded action order"
     return None if orders is None else (orders, placement, source)
 
 
-def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int):
+def replay_theory(run, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int):
     """Theory of a schedule without a closed form: its own action order (as recorded by the
     trainer's integration, else as the trace ran it) replayed with free p2p and the run's
     measured per-stage pass times (schedules/replay.py). -> (step, bubble per stage, source) or None."""
-    found = action_orders(view, times, v)
+    found = action_orders(run, times, v)
     if found is None:
         return None
     orders, placement, source = found
-    m = max(m, 1 + max((mb for order in orders for _, _, mb in order), default=0))
+    m = max(m, 1 + max((action.mb for order in orders for action in order), default=0))
     column = lambda a: np.repeat(np.asarray(a, dtype=float)[:, None], m, axis=1)  # noqa: E731
     t_w = stages["t_wgrad_s"].to_numpy()
     pipe = PipelineTimes(column(stages["t_fwd_s"]), column(np.maximum(stages["t_bwd_s"].to_numpy() - t_w, 0)),
                          column(t_w), 0.0)
-    p = view.layout.pp
+    p = run.layout.pp
     gstage = np.full((p, max(len(placement) // p, 1)), -1, dtype=np.int64)  # (position, chunk) -> stage
     for g, pos in enumerate(placement):
         gstage[pos, g // p] = g
@@ -226,14 +240,14 @@ def replay_theory(view, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: in
                         ).groupby(["action", "gstage"])["dur_s"].mean()
     seconds = {(str(a), int(g)): float(t) for (a, g), t in mean.items()}
     try:
-        timeline = simulate(str(view.schedule), pipe, v, sends="eager",
+        timeline = simulate(str(run.schedule), pipe, v, sends="eager",
                             programs=action_programs(orders, placement, seconds))
     except ValueError:
         return None
     return timeline.makespan_s, np.maximum(timeline.makespan_s - timeline.stages["compute_s"].to_numpy(), 0.0), source
 
 
-def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> dict:
+def bubble_split(run, partitions: list, pairs: pd.DataFrame | None = None) -> dict:
     """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
 
     Per step, L is how much sooner the pipeline window would have ended with free p2p and no
@@ -244,18 +258,18 @@ def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> d
     part, is then what the replay leaves idle on the rank: on a balanced GPipe, 1F1B,
     interleaved or ZB-H1 schedule with any fixed latency exactly the closed form (less on a
     stage whose own transfers exceed L: it moved data in part of its slack),
-    tests/test_bubble_split.py.
+    tests/analyzers/test_bubble_split.py.
     Steps the replay cannot follow, and GPU traces (their window is where kernels ran, the
     replay follows the host), are left out: the caller reports their split as unknown.
     """
-    windows = view.pipeline_windows
-    pairs = pairs if pairs is not None else view.pairs
+    windows = run.pipeline_windows
+    pairs = pairs if pairs is not None else run.pairs
     if not windows or pairs is None or "send_index" not in pairs.columns:
         return {}
-    if (view.events["lane_kind"] == "gpu").any():
+    if on_gpu(run.events):
         return {}
-    profiled = {step: window for step, window in windows.items() if step in view.steps}
-    latency = {step: max(profiled[step][1] - end, 0) for step, end in latency_free_ends(view, pairs, profiled).items()}
+    profiled = {step: window for step, window in windows.items() if step in run.steps}
+    latency = {step: max(profiled[step].end_ns - end, 0) for step, end in latency_free_ends(run, pairs, profiled).items()}
     out = {}
     window_of = {step: Intervals.span(lo, hi) for step, (lo, hi) in windows.items()}
     for part in partitions:
@@ -268,21 +282,21 @@ def bubble_split(view, partitions: list, pairs: pd.DataFrame | None = None) -> d
     return out
 
 
-def pipeline_stages(view, partitions: list, latency: dict | None = None) -> tuple[pd.DataFrame, dict]:
+def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple[pd.DataFrame, dict]:
     """(one row per physical stage, run-level summary dict). ``latency``: bubble_split's
     output; without it the bubble is not split."""
     latency = latency or {}
-    times = microbatch_times(view)
+    times = microbatch_times(run)
     by_key = {(p.rank, p.step): p for p in partitions}
-    p = view.layout.pp
-    m = int(view.microbatches or (times["mb"].nunique() if not times.empty else 0))
-    v = view.v
+    p = run.layout.pp
+    m = int(run.microbatches or (times["mb"].nunique() if not times.empty else 0))
+    v = run.v
     phases = _phase_bubble(by_key, times)
     by_chunk = _per_microbatch_by_chunk(times)
     rows = []
     for stage in range(p):
-        ranks = [r for r in view.ranks if r < view.layout.world_size and view.layout.coords(r).pp == stage]
-        parts = [by_key[k] for k in by_key if k[0] in ranks]
+        ranks = [r for r in run.ranks if r < run.layout.world_size and run.layout.coords(r).pp == stage]
+        parts = [part for (rank, _), part in by_key.items() if rank in ranks]
         st = times[times["stage"] == stage]
         chunks = [{"chunk": int(c), "t_fwd_s": float(f), "t_bwd_s": float(b)}
                   for (_, c), f, b in zip(by_chunk.loc[[stage]].index, by_chunk.loc[[stage], "fwd"],
@@ -312,13 +326,13 @@ def pipeline_stages(view, partitions: list, latency: dict | None = None) -> tupl
             "chunks": chunks if v > 1 else [],
         })
     stages = pd.DataFrame(rows)
-    summary = {"schedule": view.schedule, "pp": p, "microbatches": m, "vpp": v,
+    summary = {"schedule": run.schedule, "pp": p, "microbatches": m, "vpp": v,
                "bubble_fraction": 0.0, "theory_bubble_fraction": 0.0, "theory_step_s": 0.0}
     if stages.empty:
         return stages, summary
     t_stage = (stages["t_fwd_s"] + stages["t_bwd_s"]).to_numpy()
     t_w = stages["t_wgrad_s"].to_numpy()
-    schedule = canonical(view.schedule)
+    schedule = canonical(run.schedule)
     if has_closed_form(schedule) or p == 1:
         step_theory = theory_step(schedule, m, v, t_stage, t_w)
         stages["theory_bubble_s"] = np.maximum(step_theory - m * t_stage, 0.0) if p > 1 else 0.0
@@ -326,7 +340,7 @@ def pipeline_stages(view, partitions: list, latency: dict | None = None) -> tupl
             balanced_theory_bubble(schedule, p, v, t, w) if p > 1 else 0.0 for t, w in zip(t_stage, t_w)]
         summary["theory_source"] = f"closed form ({schedule})" if p > 1 else None
     else:
-        replayed = replay_theory(view, times, stages, m, v)
+        replayed = replay_theory(run, times, stages, m, v)
         if replayed is None:
             step_theory = 0.0
             stages["theory_bubble_s"] = np.nan

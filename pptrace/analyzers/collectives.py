@@ -60,41 +60,41 @@ def _dim_of_instance(kind: str, name: str) -> str:
     return "dp"  # NCCL kernels: the breakdown resolves dims per kernel; here a coarse bucket
 
 
-def _waits(view, inst: pd.DataFrame | None) -> pd.DataFrame:
+def _waits(run, inst: pd.DataFrame | None) -> pd.DataFrame:
     """instance_waits of the profiled steps' collectives of more than one rank, step-end
     all-reduce left out, with their dim."""
-    waits = instance_waits(inst if inst is not None else view.collectives)
+    waits = instance_waits(inst if inst is not None else run.collectives)
     if waits.empty:
         return waits.assign(dim=pd.Series(dtype=object))
     waits = waits[(waits["n"] > 1) & ~step_end_rows(waits["name"])]
-    if view.steps:
-        waits = waits[waits["step"].isin(list(view.steps))]
+    if run.steps:
+        waits = waits[waits["step"].isin(list(run.steps))]
     return waits.assign(dim=[_dim_of_instance(k, n) for k, n in zip(waits["kind"], waits["name"])])
 
 
-def waits_by_rank(view, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+def waits_by_rank(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
     """rank, dim, wait_s, transfer_s: each rank's collective time per profiled step (mean),
     waiting for the group's last arrival vs after it. Under expert imbalance the ranks of
     the lighter experts wait in the combine for the one with the most tokens."""
-    waits = _waits(view, inst)
+    waits = _waits(run, inst)
     columns = ["rank", "dim", "wait_s", "transfer_s"]
     if waits.empty:
         return pd.DataFrame(columns=columns)
-    n_steps = max(len(view.steps), 1)
+    n_steps = max(len(run.steps), 1)
     out = waits.groupby(["rank", "dim"], as_index=False)[["wait_ns", "transfer_ns"]].sum()
     return pd.DataFrame({"rank": out["rank"].astype(np.int64), "dim": out["dim"],
                          "wait_s": out["wait_ns"] / n_steps / 1e9, "transfer_s": out["transfer_ns"] / n_steps / 1e9})
 
 
-def collectives_by_dim(view, partitions: list, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+def collectives_by_dim(run, partitions: list, inst: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per dimension with communication: per rank per step means."""
-    ev = view.events
+    ev = run.events
     calls = ev[ev["category"].isin(COMM_CATEGORIES) & (ev["lane_kind"] == "host")
                & ~ev["gpu_annotation"] & (ev["step"] >= 0)]
-    if view.steps:
-        calls = calls[calls["step"].isin(list(view.steps))]
+    if run.steps:
+        calls = calls[calls["step"].isin(list(run.steps))]
     n_rank_steps = max(len(partitions), 1)
-    waits = _waits(view, inst)
+    waits = _waits(run, inst)
     rows = []
     for dim in COMM_DIMS:
         mine = calls[calls["kind"] == dim]

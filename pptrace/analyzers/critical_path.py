@@ -2,7 +2,7 @@
 
 The dependency graph has one node per *unit* of a rank's main thread — a stretch of work
 (a compute range, a collective; overlapping ranges merge, so tp collectives inside
-``compute:fwd`` are part of it) or a p2p exchange (pptrace.ingest.exchanges: the ranges
+``compute:fwd`` are part of it) or a p2p exchange (pptrace.timeline.exchanges: the ranges
 nested in its first one) — with edges between consecutive units of a rank, from a send to
 its matched recv (and, rendezvous, from a recv to its send), and from every arrival at a
 collective instance to its leave. Its longest path is found by walking back from the step's
@@ -28,11 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..ingest import exchanges
-from ..ingest.lanes import running_max
+from ..timeline import exchanges
+from ..sweeps import running_max
 from ..vocab import COMM_CATEGORIES
 
 SEGMENT_COLUMNS = ("rank", "stage", "phase", "start_ns", "end_ns", "dur_ns")
+#: A segment's phase: "<kind>:<op>" of work (COMPUTE_PREFIX: a pass), "<kind>" + TRANSFER_SUFFIX
+#: of a p2p exchange, OVERHEAD_PHASE for time in no unit. The summary adds them up by these.
+COMPUTE_PREFIX, TRANSFER_SUFFIX, OVERHEAD_PHASE = "compute:", ":transfer", "other"
 _UNIT_CATEGORIES = ("compute", "p2p", "wait", *COMM_CATEGORIES)
 _COLUMNS = ["rank", "step", "category", "kind", "op", "start_ns", "end_ns", "dur_ns"]
 
@@ -97,7 +100,7 @@ def _phases(rows: pd.DataFrame, at: np.ndarray, p2p: bool) -> list:
     """The phase of the units named after ``rows`` at positions ``at``."""
     def text(col):  # as f"{value}" writes it: a missing one reads "nan"
         return rows[col].iloc[at].astype(str).fillna("nan").to_numpy(dtype=object)
-    return (text("kind") + (":transfer" if p2p else ":" + text("op"))).tolist()
+    return (text("kind") + (TRANSFER_SUFFIX if p2p else ":" + text("op"))).tolist()
 
 
 def _exchange_ids(step_code, rank, start, end, kind, n_ranks) -> tuple:
@@ -253,8 +256,12 @@ def _main_rows(run) -> pd.DataFrame:
     return ev.loc[keep, _COLUMNS]
 
 
+#: the columns of _windows' rows
+_W_RANK, _W_STEP, _W_START, _W_END = range(4)
+
+
 def _windows(run) -> np.ndarray:
-    """run.step_windows as rows (rank, step, start, end)."""
+    """run.step_windows as rows (rank, step, start, end): one array, searched by step."""
     sw = run.step_windows
     keys = np.array(list(sw.keys()), dtype=np.int64).reshape(-1, 2)
     return np.c_[keys, np.array(list(sw.values()), dtype=np.int64).reshape(-1, 2)]
@@ -275,10 +282,10 @@ def critical_path(run, step: int | None = None) -> CriticalPath:
 
 
 def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
-    windows = windows[windows[:, 1] == step]
+    windows = windows[windows[:, _W_STEP] == step]
     if not len(windows):
         raise ValueError(f"step {step} has no ProfilerStep range on any rank")
-    w_rank, w_first, w_last = windows[:, 0], windows[:, 2], windows[:, 3]
+    w_rank, w_first, w_last = windows[:, _W_RANK], windows[:, _W_START], windows[:, _W_END]
     top = np.lexsort((w_rank, -w_last))[0]  # the last rank to end; of a tie, the lowest
     rank, t = int(w_rank[top]), int(w_last[top])
     floor = int(w_first.min())
@@ -310,7 +317,7 @@ def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
     for _ in range(10 * n_units + 10):  # each turn lowers t or moves to a peer that posted earlier
         k = base + rank if base is not None and 0 <= rank < g.n_ranks else None
         if k is None or t <= floor or (g.w_at[k] == g.w_at[k + 1] and g.x_at[k] == g.x_at[k + 1]):
-            emit(rank, "other", began(rank), t)
+            emit(rank, OVERHEAD_PHASE, began(rank), t)
             break
         w_lo, w_hi, x_lo, x_hi = g.w_at[k], g.w_at[k + 1], g.x_at[k], g.x_at[k + 1]
         i = bisect_left(w_end, t, w_lo, w_hi)  # the first work ending at or after t
@@ -325,9 +332,9 @@ def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
                 j = j + 1 + int(later[0]) if len(later) else x_hi
             if j == x_hi:  # between units: host overhead
                 if not last:
-                    emit(rank, "other", began(rank), t)
+                    emit(rank, OVERHEAD_PHASE, began(rank), t)
                     break
-                emit(rank, "other", max(last), t)
+                emit(rank, OVERHEAD_PHASE, max(last), t)
                 t = max(last)
                 continue
             # the exchange being waited on, blocked in since the rank last finished something
@@ -345,7 +352,7 @@ def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
     by = seg.groupby(["rank", "stage", "phase"], as_index=False)["dur_ns"].sum()
     by["time_s"] = by.pop("dur_ns") / 1e9
     by["fraction"] = by["time_s"] / (length / 1e9) if length else 0.0
-    stages = sorted(int(s) for s in seg.loc[seg["phase"].str.startswith("compute:"), "stage"].unique())
+    stages = sorted(int(s) for s in seg.loc[seg["phase"].str.startswith(COMPUTE_PREFIX), "stage"].unique())
     mine = g.p2p_step == step
     return CriticalPath(
         step=step, segments=seg, by_rank_phase=by.sort_values("time_s", ascending=False).reset_index(drop=True),
@@ -365,7 +372,7 @@ def step_bounds(run) -> list[dict]:
         return []
     graph = _graph(_main_rows(run), run.pairs, run.collectives)
     windows = _windows(run)
-    walked = set(graph.steps.tolist()) & set(windows[:, 1].tolist())
+    walked = set(graph.steps.tolist()) & set(windows[:, _W_STEP].tolist())
     return [_bound(_path(run, step, graph, windows)) for step in run.steps if step in walked]
 
 
@@ -373,9 +380,9 @@ def _bound(path: CriticalPath) -> dict:
     seg = path.segments
     phase, dur = seg["phase"], seg["dur_ns"].to_numpy() / 1e9
     parts = {
-        "compute_s": float(dur[phase.str.startswith("compute:").to_numpy()].sum()),
-        "p2p_s": float(dur[phase.str.endswith(":transfer").to_numpy()].sum()),
-        "other_s": float(dur[(phase == "other").to_numpy()].sum()),
+        "compute_s": float(dur[phase.str.startswith(COMPUTE_PREFIX).to_numpy()].sum()),
+        "p2p_s": float(dur[phase.str.endswith(TRANSFER_SUFFIX).to_numpy()].sum()),
+        "other_s": float(dur[(phase == OVERHEAD_PHASE).to_numpy()].sum()),
     }
     parts["comm_s"] = max(path.length_s - sum(parts.values()), 0.0)
     ranks = sorted(int(r) for r in seg["rank"].unique())

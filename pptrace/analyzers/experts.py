@@ -37,22 +37,22 @@ def _tokens_of_names(names: pd.Series) -> np.ndarray:
     return table[names.cat.codes.to_numpy()]
 
 
-def expert_load(view, waits: pd.DataFrame) -> pd.DataFrame:
+def expert_load(run, waits: pd.DataFrame) -> pd.DataFrame:
     """One row per rank with expert work: ``tokens`` per profiled step (mean), its
     ``share_of_mean`` in its ep group, whether it is its group's ``hottest`` (only in an
     imbalanced group), and for the hottest the ``wait_cost_s`` per step its group's other
     ranks spent waiting for it (mean over them). Empty without ``compute:expert`` ranges."""
-    ev = view.events
+    ev = run.events
     sel = (ev["category"] == "compute").to_numpy() & (ev["op"] == "expert").to_numpy() & (ev["step"] >= 0).to_numpy()
-    if view.steps:
-        sel &= ev["step"].isin(list(view.steps)).to_numpy()
+    if run.steps:
+        sel &= ev["step"].isin(list(run.steps)).to_numpy()
     if not sel.any():
         return pd.DataFrame(columns=list(COLUMNS))
     rows = ev[sel]
     per = pd.DataFrame({"rank": rows["rank"].to_numpy(np.int64), "tokens": _tokens_of_names(rows["name"])})
-    n_steps = max(len(view.steps), 1)
+    n_steps = max(len(run.steps), 1)
     load = (per.groupby("rank")["tokens"].sum() / n_steps).rename("tokens").reset_index()
-    layout = view.layout
+    layout = run.layout
     load["ep_group"] = [",".join(map(str, layout.group_ranks("ep", r))) if r < layout.world_size else str(r)
                         for r in load["rank"]]
     group = load.groupby("ep_group")["tokens"]

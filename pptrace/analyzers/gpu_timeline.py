@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..ingest.intervals import Intervals, gaps_per_window, private_axes, union
-from ..ingest.windows import GPU_ACTIVITY, gpu_step_windows
+from ..timeline.intervals import Intervals, gaps_per_window, private_axes, union
+from ..timeline.windows import GPU_ACTIVITY, gpu_step_windows
 
 #: a step is flagged launch-bound when at least this share of its GPU idle time is
 #: launch-bound and idle is at least IDLE_FLAG of the step
@@ -75,8 +75,8 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     keys = sorted(windows)
     w_rank = np.array([r for r, _ in keys], np.int64)
     w_step = np.array([s for _, s in keys], np.int64)
-    w_start = np.array([windows[k][0] for k in keys], np.int64)
-    w_end = np.array([windows[k][1] for k in keys], np.int64)
+    w_start = np.array([windows[k].start_ns for k in keys], np.int64)
+    w_end = np.array([windows[k].end_ns for k in keys], np.int64)
     ranks = events["rank"].to_numpy(np.int64)
     offset = private_axes(np.concatenate([ranks, w_rank]),
                           np.concatenate([events["start_ns"].to_numpy(np.int64), w_start]),

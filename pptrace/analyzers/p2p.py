@@ -1,27 +1,37 @@
 """Pipeline p2p, summarised: each rank's p2p time split into wait and transfer, and per
 link (src -> dst) counts, bytes, wait, transfer and bandwidth.
 
-Pairing is the loader's (``pptrace.ingest.match``), and what waiting and moving mean, and
-which ranges form one exchange, is ``pptrace.ingest.exchanges``: this module only adds up.
+Pairing is the loader's (``pptrace.run.match``), and what waiting and moving mean, and
+which ranges form one exchange, is ``pptrace.timeline.exchanges``: this module only adds up.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
-from ..ingest import exchanges, match
-from ..ingest.intervals import union
-from ..ingest.run import Run
+from ..timeline import exchanges
+from ..run import match
+from ..timeline.intervals import union
+from ..run.model import Run
 
 
-def match_pairs(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(pp pairs with match.PAIR_COLUMNS, the pp p2p ranges no pair holds: match.p2p_ops rows)."""
+class MatchedPairs(NamedTuple):
+    """What :func:`match_pairs` finds; a pair to unpack, as :func:`split_by_rank` takes it."""
+
+    pairs: pd.DataFrame      # pp pairs, match.PAIR_COLUMNS
+    unmatched: pd.DataFrame  # the pp p2p ranges no pair holds: match.p2p_ops rows
+
+
+def match_pairs(run: Run) -> MatchedPairs:
+    """The run's pipeline p2p pairs, and the pipeline p2p ranges without a peer."""
     ops = match.p2p_ops(run.events)
     ops = ops[(ops["kind"] == "pp").to_numpy()]
     pairs = run.pairs
     pairs = pairs[(pairs["kind"] == "pp").to_numpy()].reset_index(drop=True)
     paired = np.concatenate([pairs["send_index"].to_numpy(), pairs["recv_index"].to_numpy()])
-    return pairs, ops[~ops["index"].isin(paired)]
+    return MatchedPairs(pairs, ops[~ops["index"].isin(paired)])
 
 
 def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = False) -> dict:

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..ingest.projection import gpu_extent
-from ..ingest.activity import Activity
-from ..ingest.intervals import Intervals, partition, union
-from .p2p import match_pairs, split_by_rank
-from ..ingest.run import Run
+from ..timeline.projection import gpu_extent
+from ..timeline.activity import Activity
+from ..timeline.intervals import Intervals, partition, union
+from ..timeline.windows import Window
+from .p2p import MatchedPairs, match_pairs, split_by_rank
+from ..run.model import Run
 from ..vocab import COMM_DIMS, PARTS
 
 
@@ -31,10 +32,10 @@ class StepPartition:
         return self.end_ns - self.start_ns
 
 
-def untagged_p2p(view: Run) -> dict:
+def untagged_p2p(run: Run) -> dict:
     """rank -> Intervals of pipeline p2p ranges without a peer (Megatron's own names carry
     none): they cannot pair, so like unmatched ranges they count as pp_transfer."""
-    ev = view.events
+    ev = run.events
     sel = ev[(ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
              & ~ev["gpu_annotation"].to_numpy() & ev["peer"].isna().to_numpy()]
     if sel.empty:
@@ -44,7 +45,7 @@ def untagged_p2p(view: Run) -> dict:
     return {int(r): union(start[ranks == r], end[ranks == r]) for r in np.unique(ranks)}
 
 
-def partition_step(act: Activity, step: int, window: tuple, pipe: tuple | None,
+def partition_step(act: Activity, step: int, window: Window, pipe: Window | None,
                    p2p_wait: Intervals, p2p_transfer: Intervals) -> StepPartition:
     start, end = window
     pipe_iv = Intervals.span(*pipe) if pipe else Intervals.empty()
@@ -64,17 +65,17 @@ def partition_step(act: Activity, step: int, window: tuple, pipe: tuple | None,
     return StepPartition(act.rank, step, start, end, parts, hidden)
 
 
-def partition_run(view: Run, acts: dict | None = None, pairs=None) -> list[StepPartition]:
+def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | None = None) -> list[StepPartition]:
     """Every (rank, profiled step) partition of the run."""
-    acts = acts if acts is not None else view.activities
-    if pairs is None:
-        pairs = match_pairs(view)
-    split = split_by_rank(*pairs, kernels=any(a.gpu for a in acts.values()))
-    windows = view.pipeline_windows
-    untagged = untagged_p2p(view)
+    acts = acts if acts is not None else run.activities
+    if matched is None:
+        matched = match_pairs(run)
+    split = split_by_rank(*matched, kernels=any(a.gpu for a in acts.values()))
+    windows = run.pipeline_windows
+    untagged = untagged_p2p(run)
     out = []
-    # GPU ranks are partitioned on their GPU timeline (ingest/windows.py says why)
-    for (rank, step), window in sorted(view.step_windows.items()):
+    # GPU ranks are partitioned on their GPU timeline (timeline/windows.py says why)
+    for (rank, step), window in sorted(run.step_windows.items()):
         act = acts.get(rank)
         if act is None:
             continue

@@ -35,6 +35,7 @@ import pandas as pd
 
 from ..analyzers.gpu_timeline import gpu_timeline
 from ..errors import TraceError
+from ..timeline.projection import KERNEL_CATEGORIES
 
 INSTALL_HINT = "HTA is not installed: pip install 'pptrace[hta]' (the traceinsight package) to use --hta"
 COLUMNS = (
@@ -111,10 +112,10 @@ def pptrace_side(events: pd.DataFrame, ranks, steps) -> pd.DataFrame:
 
 
 def compare(run) -> tuple[pd.DataFrame, list[str]]:
-    """Per-rank pptrace vs HTA table (COLUMNS) for a loaded ``pptrace.ingest.run.Run``, and notes."""
+    """Per-rank pptrace vs HTA table (COLUMNS) for a loaded ``pptrace.run.Run``, and notes."""
     notes = []
     events = run.events
-    if not events["category"].isin(["kernel_compute", "kernel_comm"]).any():
+    if not events["category"].isin(list(KERNEL_CATEGORIES)).any():
         raise TraceError(f"{run.path}: no GPU kernels in these traces; HTA analyses GPU traces only")
     steps = sorted(int(s) for s in run.steps)
     if len(steps) < 2:

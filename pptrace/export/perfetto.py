@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from ..output import write_file
 from ..progress import WRITE, phased
+from ..vocab import ZB_H1
 
 _LANE_ORDER = {"main": 0}
 #: rows turned into JSON at a time: bounds the writer's memory whatever the run's size
@@ -228,7 +229,7 @@ def write_simulated_trace(result: dict, out_path) -> Path:
         events.append({"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0, "args": {"sort_index": s}})
         events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": "compute"}})
         events.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 1, "args": {"name": "p2p"}})
-    names = {"F": "compute:fwd", "B": "compute:bwd_input" if pred["schedule"] == "zb-h1" else "compute:bwd",
+    names = {"F": "compute:fwd", "B": "compute:bwd_input" if pred["schedule"] == ZB_H1 else "compute:bwd",
              "I": "compute:bwd_input", "W": "compute:bwd_weight", "comm": "pp:exchange"}
     for row in pred["timeline"]["rows"]:
         r = dict(zip(cols, row))

@@ -189,18 +189,18 @@ def print_report(report: dict, console, explain: bool = False) -> None:
     from .tables import Col, print_table, printable
 
     shown: dict = {}
-    run = report["run"]
-    lay = run["layout"]
+    info = report["run"]
+    lay = info["layout"]
     console.print(
-        f"[bold]pptrace analysis[/] world {run['world_size']} (tp{lay['tp']} cp{lay['cp']} "
-        f"pp{lay['pp']} dp{lay['dp']}), schedule {run['schedule'] or '?'}, microbatches "
-        f"{run['microbatches'] or '?'}, vpp {run['vpp'] or 1}, steps {run['steps']}"
+        f"[bold]pptrace analysis[/] world {info['world_size']} (tp{lay['tp']} cp{lay['cp']} "
+        f"pp{lay['pp']} dp{lay['dp']}), schedule {info['schedule'] or '?'}, microbatches "
+        f"{info['microbatches'] or '?'}, vpp {info['vpp'] or 1}, steps {info['steps']}"
     )
-    if run.get("inferred"):
+    if info.get("inferred"):
         console.print("[bold]inferred[/] (the run carries no pptrace metadata): " + "; ".join(
-            f"{escape(str(k))}: {escape(str(v))}" for k, v in run["inferred"].items()), highlight=False)
-    if run.get("comm_kernels"):
-        console.print("[bold]communication kernels[/] known by name: " + escape(describe_kernels(run["comm_kernels"])),
+            f"{escape(str(k))}: {escape(str(v))}" for k, v in info["inferred"].items()), highlight=False)
+    if info.get("comm_kernels"):
+        console.print("[bold]communication kernels[/] known by name: " + escape(describe_kernels(info["comm_kernels"])),
                       highlight=False)
     pipe = report["pipeline"]
     if pipe["stages"] and lay["pp"] > 1:
@@ -280,10 +280,11 @@ def print_report(report: dict, console, explain: bool = False) -> None:
 
 def print_whatif(result: dict, console) -> None:
     """The what-if result (``pptrace whatif``) as terminal tables."""
+    from ..whatif.predict import BY_REPLAY_ERROR, BY_STEP_TIME, BY_THROUGHPUT
     from .tables import Col, print_table
 
     meas, pred, rep = result["measured"], result["predicted"], result["replay"]
-    basis = result.get("comparison") or "step_time"
+    basis = result.get("comparison") or BY_STEP_TIME
     error = rep.get("error_fraction")
     error_text = "-" if error is None else f"{error * 100:+.1f}%"
 
@@ -310,21 +311,21 @@ def print_whatif(result: dict, console) -> None:
              ms(meas["window_s"]), ""],
             ["replayed", label(meas), ms(rep["step_time_s"]), per_mb(meas, rep["step_time_s"]),
              ms(rep.get("window_s")), f"error {error_text}"]]
-    if basis != "replay_error":
-        ratio = result.get("throughput_ratio") if basis == "throughput" else result.get("step_time_ratio")
-        versus = "-" if ratio is None else ("throughput" if basis == "throughput" else "speedup") + f" {ratio:.2f}x"
+    if basis != BY_REPLAY_ERROR:
+        ratio = result.get("throughput_ratio") if basis == BY_THROUGHPUT else result.get("step_time_ratio")
+        versus = "-" if ratio is None else ("throughput" if basis == BY_THROUGHPUT else "speedup") + f" {ratio:.2f}x"
         rows.append(["predicted", label(pred), ms(pred["step_time_s"]), per_mb(pred, pred["step_time_s"]),
                      ms(pred["window_s"]), versus])
     print_table(console, "what-if", cols, rows, show_edge=False)
     rows = [[str(s["stage"]), ms(s["compute_s"]), ms(s["transfer_s"]), ms(s["bubble_s"]),
              f"{s['bubble_fraction'] * 100:.1f}"] for s in pred["stages"]]
-    print_table(console, "replayed stages" if basis == "replay_error" else "predicted stages",
+    print_table(console, "replayed stages" if basis == BY_REPLAY_ERROR else "predicted stages",
                 [Col("stage", key=True), *(Col(h) for h in ("compute", "transfer", "bubble", "bubble %"))],
                 rows, show_edge=False)
-    if basis == "replay_error":
+    if basis == BY_REPLAY_ERROR:
         console.print(f"nothing changed: the replay of the measured configuration is {error_text} off the "
                       "measured step, the error to expect of a prediction from this run (no speedup)")
-    elif basis == "throughput":
+    elif basis == BY_THROUGHPUT:
         throughput = result.get("throughput_ratio")
         if throughput is not None:
             console.print(f"predicted per-sample throughput: {throughput:.2f}x the measured with "

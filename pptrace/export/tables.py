@@ -107,7 +107,7 @@ def _parts(cols, rows, width: int):
         return _fit([cols[j] for j in idx], [[r[j] for j in idx] for r in rows], width) is not None
 
     if not rest:
-        return [keys]
+        return [keys] if fits([]) else None
     if not all(fits([i]) for i in rest):
         return None
     for n in range(2, len(rest) + 1):
@@ -148,8 +148,8 @@ def print_table(console, title: str | None, columns: list[Col], rows: list[list[
     # without an edge the outer borders are spaces rich leaves out
     budget = width if show_edge else width + 2 * _BORDER
 
-    whole = _fit(cols, rows, budget)
-    parts = [list(range(len(cols)))] if whole else _parts(cols, rows, budget)
+    whole = _fit(cols, rows, budget) if cols else None
+    parts = [list(range(len(cols)))] if whole else _parts(cols, rows, budget) if cols else []
     if parts is None:
         _print_as_lines(console, title, cols, rows, notes)
         return [c.header for c in cols]
@@ -180,7 +180,7 @@ def _print_as_lines(console, title, cols, rows, notes) -> None:
         console.print(f"[bold]{escape(title)}[/]")
     keys = [i for i, c in enumerate(cols) if c.key]
     for row in rows:
-        console.print(" ".join(f"{cols[i].header} {row[i]}" for i in keys) or "-", highlight=False)
+        console.print(escape(" ".join(f"{cols[i].header} {row[i]}" for i in keys)) or "-", highlight=False)
         for i, col in enumerate(cols):
             if not col.key:
                 console.print(f"  {escape(col.header)}: {escape(row[i])}", highlight=False)

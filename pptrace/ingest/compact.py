@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .lanes import reach_before
+from ..sweeps import reach_before
 
 #: CPU ops that mean something by their name alone: c10d posts and enqueues (pairing,
 #: gloo worker attribution), gloo's own work, autograd's engine (backward passes of plain

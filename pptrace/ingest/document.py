@@ -19,6 +19,7 @@ import json
 import re
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -88,7 +89,8 @@ def _gunzip(raw: bytes, path="the trace") -> bytes:
 
 
 def _read_bytes(path: Path) -> bytes:
-    return read_trace(path)[0]
+    data, _, _ = read_trace(path)
+    return data
 
 
 def _too_deep(blob) -> bool:
@@ -173,8 +175,16 @@ def _last_byte(data: bytes, start: int, end: int) -> bytes:
     return data[end - 1:end] if end > start else b""
 
 
-def _locate_events(data: bytes):
-    """(header bytes with an empty events array, events start, events end or None)."""
+class _Located(NamedTuple):
+    """Where :func:`_locate_events` found the events array."""
+
+    head: bytes       # the document with its events array emptied: the header
+    start: int        # the first byte inside the array
+    end: int | None   # its closing bracket; None: truncated, none found
+
+
+def _locate_events(data: bytes) -> _Located | None:
+    """The header and where the events array lies, or None when there is no array."""
     key = data.find(_EVENTS_KEY)
     if key < 0:
         return None
@@ -195,10 +205,10 @@ def _locate_events(data: bytes):
         head = data[:start] + b"[]" + data[end + 1:]
         try:
             _orjson(head)
-            return head, start + 1, end
+            return _Located(head, start + 1, end)
         except orjson.JSONDecodeError:
             tries += 1
-    return data[:start] + b"[]}", start + 1, None  # truncated: no closing bracket found
+    return _Located(data[:start] + b"[]}", start + 1, None)  # truncated: no closing bracket found
 
 
 def _cut_points(data: bytes, start: int, end: int) -> list[int]:
@@ -237,13 +247,13 @@ def _parse_slices(data: bytes, start: int, end: int, path: Path, warnings: list,
     :class:`~pptrace.ingest.schema.RawEvent` (``typed``) or of dicts."""
     decoder = msgspec.json.Decoder(list[RawEvent]) if typed else None
     cuts = _cut_points(data, start, end)
-    view = memoryview(data)
+    buffer = memoryview(data)
     for a, b in zip(cuts[:-1], cuts[1:]):
         while a < b and data[a] in _SLICE_JUNK:
             a += 1
         while b > a and data[b - 1] in _SLICE_JUNK:
             b -= 1
-        blob = b"".join((b"[", view[a:b], b"]"))  # one copy, not three
+        blob = b"".join((b"[", buffer[a:b], b"]"))  # one copy, not three
         yield _decode_slice(decoder, blob, path, warnings), blob
 
 
@@ -407,9 +417,9 @@ def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
         ends = None
     header = None
     located = _locate_events(ends) if ends else None
-    if located is not None and located[2] is not None:
+    if located is not None and located.end is not None:
         try:
-            header = _orjson(located[0])
+            header = _orjson(located.head)
         except orjson.JSONDecodeError:
             pass
     if not isinstance(header, dict):

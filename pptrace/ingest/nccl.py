@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .lanes import dominance_max, lane_keys
+from ..sweeps import dominance_max, lane_keys
 from ..vocab import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, collective_key
 
 #: columns filled on a kernel from its launching record_param_comms when the kernel lacks them

@@ -67,7 +67,7 @@ def p2p_args(name: str, concrete, dims, types) -> dict | None:
 
 def add_p2p_args(df: pd.DataFrame, p2p: dict) -> None:
     """c10d posts get tags {"group_peer": g, "tag": t} (the peer is a rank of the op's process
-    group, which the trace does not name: pptrace.ingest.infer maps it to a global rank); gloo
+    group, which the trace does not name: pptrace.run.infer maps it to a global rank); gloo
     ranges get ``bytes``."""
     found = {row: args for row, args in p2p.items() if args}
     if not found:

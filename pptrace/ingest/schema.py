@@ -49,7 +49,7 @@ comm_seq           Int64      "Seq" of the collective where the trace has it
 src_rank,          Int64      record_param_comms "Src Rank" / "Dst Rank" of NCCL send/recv: the
 dst_rank                      peer's *global* rank (PyTorch writes them since mid-2024)
 inferred           bool       kind/op/tags were inferred from a foreign name or from the trace's
-                              structure (plain traces, :mod:`pptrace.ingest.infer`), not read from a
+                              structure (plain traces, :mod:`pptrace.run.infer`), not read from a
                               contract-1 range name
 =================  =========  ===================================================================
 
@@ -213,6 +213,6 @@ class RawEvent(msgspec.Struct, gc=False):
     cat: Any = None
     pid: Any = None
     tid: Any = None
-    ts: Any = msgspec.UNSET  # UNSET: no "ts" key (see _ts_ns); a non-number either way
+    ts: Any = msgspec.UNSET  # UNSET: no "ts" key (see extract.ts_to_ns); a non-number either way
     dur: Any = msgspec.UNSET  # UNSET: no "dur" key, an impossible X event (frame.py drops it)
     args: Union[RawArgs, None] = None

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from ..vocab import ACTION_OPS, COMM_CATEGORIES, SCHEDULES
-from .tables import Exchange, InterleavedStage, num_warmup_microbatches, schedule_table, ws_after_backward
+from .tables import Exchange, schedule_table, stage_steps
 
 
 @dataclass(frozen=True)
@@ -77,57 +77,18 @@ def _comm(*msgs) -> list[Op]:
     return [Op("comm", msgs=present)] if present else []
 
 
-def _program_flat(schedule: str, p: int, r: int, m: int) -> list[Op]:
-    """GPipe, 1F1B and ZB-H1, as ``pipeline_parallel.py`` posts them."""
-    def recv_fwd(mb):
-        return Msg("fwd", False, r - 1, r, mb) if r > 0 else None
-
-    def send_fwd(mb):
-        return Msg("fwd", True, r, r + 1, mb) if r < p - 1 else None
-
-    def recv_bwd(mb):
-        return Msg("bwd", False, r + 1, r, mb) if r < p - 1 else None
-
-    def send_bwd(mb):
-        return Msg("bwd", True, r, r - 1, mb) if r > 0 else None
-
-    prog: list[Op] = []
-    if schedule == "gpipe":
-        for mb in range(m):
-            prog += _comm(recv_fwd(mb)) + [Op("F", mb)] + _comm(send_fwd(mb))
-        for mb in range(m):
-            prog += _comm(recv_bwd(mb)) + [Op("B", mb)] + _comm(send_bwd(mb))
-        return prog
-    zero_bubble = schedule == "zb-h1"
-    w_after_b = ws_after_backward(p, r, m) if zero_bubble else {}
-    warmup = num_warmup_microbatches("1f1b", p, r, m)
-    remaining = m - warmup
-
-    def backward_and_send(mb, recv_mb):
-        if not zero_bubble:
-            return [Op("B", mb)] + _comm(send_bwd(mb), None if recv_mb is None else recv_fwd(recv_mb))
-        # ZB-H1: post the grad upstream (and the next forward's recv), run the deferred W's
-        # while the messages fly, then wait.
-        exchange = _comm(send_bwd(mb), None if recv_mb is None else recv_fwd(recv_mb))
-        posted = [Op("post", msgs=exchange[0].msgs)] if exchange else []
-        waited = [Op("wait")] if exchange else []
-        return [Op("B", mb)] + posted + [Op("W", j) for j in w_after_b.get(mb, [])] + waited
-
-    for mb in range(warmup):
-        prog += _comm(recv_fwd(mb)) + [Op("F", mb)] + _comm(send_fwd(mb))
-    if remaining > 0:
-        prog += _comm(recv_fwd(warmup))
-    for i in range(remaining):
-        prog += [Op("F", warmup + i)] + _comm(send_fwd(warmup + i), recv_bwd(i))
-        prog += backward_and_send(i, None if i == remaining - 1 else warmup + i + 1)
-    for mb in range(remaining, m):
-        prog += _comm(recv_bwd(mb)) + backward_and_send(mb, None)
-    return prog
-
-
-def _program_interleaved(p: int, r: int, m: int, v: int, overlap_p2p_comm: bool = False) -> list[Op]:
-    """Megatron's interleaved schedule: ``schedules.InterleavedStage.program``, which the
-    trainer's ``schedules_interleaved.py`` executes, with its directions as messages."""
+def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1, overlap_p2p_comm: bool = False) -> list[Op]:
+    """The ops stage r runs in one step: ``tables.stage_steps``, the program the trainer
+    executes, with each exchange's directions as messages; its compute ops equal
+    ``schedule_table``. ``overlap_p2p_comm``: Megatron's option for the interleaved schedule
+    (its training scripts' default there)."""
+    if schedule == "interleaved" and p == 1:
+        # One stage is no ring to interleave over: replayed as no pipelining (its v chunks'
+        # passes merged into one per microbatch), as the replay always has.
+        schedule_table(schedule, p, r, m, v)  # validates with the trainer's rules
+        steps = stage_steps("1f1b", 1, 0, m)
+    else:
+        steps = stage_steps(schedule, p, r, m, v, overlap_p2p_comm)  # validates them too
     prev, nxt = (r - 1) % p, (r + 1) % p
 
     def msgs(ex: Exchange) -> tuple:
@@ -137,17 +98,7 @@ def _program_interleaved(p: int, r: int, m: int, v: int, overlap_p2p_comm: bool 
                      if carried is not None)
 
     return [Op(step.kind, msgs=msgs(step), handle=step.handle) if isinstance(step, Exchange) else Op(*step)
-            for step in InterleavedStage(p, r, m, v).program(overlap_p2p_comm)]
-
-
-def stage_program(schedule: str, p: int, r: int, m: int, v: int = 1, overlap_p2p_comm: bool = False) -> list[Op]:
-    """The ops stage r runs in one step; its compute ops equal ``schedule_table``.
-    ``overlap_p2p_comm``: Megatron's option for the interleaved schedule (its training
-    scripts' default there)."""
-    schedule_table(schedule, p, r, m, v)  # validates the arguments with the trainer's rules
-    if schedule == "interleaved" and p > 1:
-        return _program_interleaved(p, r, m, v, overlap_p2p_comm)
-    return _program_flat("1f1b" if schedule == "interleaved" else schedule, p, r, m)
+            for step in steps]
 
 
 def action_programs(orders: list, placement: list[int], seconds: dict | None = None) -> list[list[Op]]:

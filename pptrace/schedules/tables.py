@@ -1,16 +1,15 @@
 """The order in which one pipeline stage runs its forward (F), backward (B) and weight-grad (W)
-passes, as pure functions of (schedule, p, r, m, v). The reference trainer's executing
-schedules (``instrumented_model/pipeline_parallel.py``) follow these tables, the what-if
-simulator replays them, and the tests compare traced order with them. They live in pptrace,
-not in the trainer, so that analysing a run never needs the trainer package.
+passes, and the p2p ops between them, as pure functions of (schedule, p, r, m, v). Each
+schedule is written once, as a stage *program* (``stage_steps``: ``FlatStage`` for GPipe,
+1F1B, ZB-H1 and no pipelining, ``InterleavedStage`` for Megatron's interleaved schedule): the
+reference trainer (``instrumented_model/pipeline_parallel.py``) executes it, the what-if
+simulator replays it (``replay.stage_program``), and the tests compare traced order with its
+passes (``schedule_table``), so the three cannot drift apart. They live in pptrace, not in
+the trainer, so that analysing a run never needs the trainer package. Torch-free.
 
 Notation: p pipeline stages, r this stage, m microbatches, v virtual chunks per stage.
 Entries are ``(op, microbatch, chunk)``; op "B" is the whole backward except in ZB-H1,
 where "B" is the input gradient and "W" the weight gradient.
-
-For Megatron's interleaved schedule the p2p ops between the passes are written here too
-(``InterleavedStage``): the trainer executes that program and the what-if simulator replays
-it, so the two cannot drift apart. Torch-free: analysing a run never imports torch.
 """
 from __future__ import annotations
 
@@ -72,49 +71,22 @@ def zb_h1_deferred_w(r: int) -> int:
     return r
 
 
-def ws_after_backward(p: int, r: int, m: int) -> dict[int, list[int]]:
-    """ZB-H1 on stage r: B's microbatch -> the microbatches of the W's that run right after it
-    (the deferred ones and, after the last B, the trailing ones), read from the table so that
-    whoever executes the order follows it."""
-    table = schedule_table("zb-h1", p, r, m)
-    out: dict[int, list[int]] = {}
-    for i, (op, mb, _) in enumerate(table):
-        if op == "B":
-            following = out.setdefault(mb, [])
-            for entry in table[i + 1:]:
-                if entry[0] != "W":
-                    break
-                following.append(entry[1])
-    return out
-
-
 def schedule_table(schedule: str, p: int, r: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
     """Execution order on stage r: list of ("F"|"B"|"W", microbatch, chunk)."""
+    return [step for step in stage_steps(schedule, p, r, m, v) if not isinstance(step, Exchange)]
+
+
+def stage_steps(schedule: str, p: int, r: int, m: int, v: int = 1, overlap_p2p_comm: bool = False) -> list:
+    """Stage r's program: its passes ("F"|"B"|"W", mb, chunk) and the ``Exchange``s between
+    them, in execution order. ``overlap_p2p_comm``: Megatron's option, interleaved only."""
     _check(schedule, p, r, m, v)
-    if schedule == "gpipe":
-        return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
     if schedule == "interleaved":
-        return [step for step in InterleavedStage(p, r, m, v).program() if not isinstance(step, Exchange)]
-    # 1F1B (and ZB-H1's order of F and B): warm-up, steady 1F1B, cool-down.
-    w = num_warmup_microbatches(schedule, p, r, m)
-    table = [("F", j, 0) for j in range(w)]
-    for j in range(m - w):
-        table += [("F", w + j, 0), ("B", j, 0)]
-    table += [("B", j, 0) for j in range(m - w, m)]
-    if schedule == "1f1b":
-        return table
-    delay = zb_h1_deferred_w(r)
-    with_w = []
-    for entry in table:
-        with_w.append(entry)
-        if entry[0] == "B" and entry[1] >= delay:
-            with_w.append(("W", entry[1] - delay, 0))
-    with_w += [("W", j, 0) for j in range(max(m - delay, 0), m)]
-    return with_w
+        return InterleavedStage(p, r, m, v).program(overlap_p2p_comm)
+    return FlatStage(schedule, p, r, m).program()
 
 
 # ---------------------------------------------------------------------------------------
-# Megatron's interleaved schedule: its passes and the p2p ops between them
+# Stage programs: the passes and the p2p ops between them
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Exchange:
@@ -122,8 +94,8 @@ class Exchange:
     carries, chunk being the one that *consumes* the tensor on the receiving stage (the
     trainer's tag convention), or None where the op has no such direction. "comm" posts and
     waits at once (Megatron's combined ops: a stage is held until every direction is done);
-    "post" leaves the op open under ``handle`` until the "wait" of that handle
-    (overlap_p2p_comm keeps a forward and a backward one open at once)."""
+    "post" leaves the op open under ``handle`` until the "wait" of that handle (ZB-H1 runs
+    its W's in between; overlap_p2p_comm keeps a forward and a backward one open at once)."""
 
     kind: str  # "comm" | "post" | "wait"
     handle: str = ""
@@ -131,6 +103,82 @@ class Exchange:
     send_prev: tuple | None = None
     recv_prev: tuple | None = None
     recv_next: tuple | None = None
+
+
+class FlatStage:
+    """Stage r of a schedule without virtual chunks, with the p2p ops of Megatron's
+    non-interleaved schedules: GPipe, 1F1B (PipeDream-flush) or ZB-H1. With p = 1 the 1F1B
+    program is Megatron's ``forward_backward_no_pipelining`` (each microbatch's F, then its B)."""
+
+    def __init__(self, schedule: str, p: int, r: int, m: int):
+        _check(schedule, p, r, m, 1)
+        if schedule == "interleaved":
+            raise ValueError("the interleaved schedule's program is InterleavedStage's")
+        self.schedule, self.p, self.r, self.m = schedule, p, r, m
+
+    # A pipeline end has no peer on that side: None leaves the direction out of its op.
+    def recv_prev(self, mb: int | None) -> tuple | None:
+        return None if mb is None or self.r == 0 else (mb, 0)
+
+    def send_next(self, mb: int) -> tuple | None:
+        return None if self.r == self.p - 1 else (mb, 0)
+
+    def recv_next(self, mb: int) -> tuple | None:
+        return None if self.r == self.p - 1 else (mb, 0)
+
+    def send_prev(self, mb: int) -> tuple | None:
+        return None if self.r == 0 else (mb, 0)
+
+    def program(self) -> list:
+        return self._gpipe() if self.schedule == "gpipe" else self._one_f_one_b()
+
+    def _forward(self, mb: int) -> list:
+        return (_exchange("comm", recv_prev=self.recv_prev(mb)) + [("F", mb, 0)]
+                + _exchange("comm", send_next=self.send_next(mb)))
+
+    def _gpipe(self) -> list:
+        steps: list = []
+        for mb in range(self.m):  # all forwards
+            steps += self._forward(mb)
+        for mb in range(self.m):  # then all backwards, in microbatch order
+            steps += _exchange("comm", recv_next=self.recv_next(mb)) + [("B", mb, 0)]
+            steps += _exchange("comm", send_prev=self.send_prev(mb))
+        return steps
+
+    def _one_f_one_b(self) -> list:
+        m = self.m
+        w = num_warmup_microbatches("1f1b", self.p, self.r, m)
+        steps: list = []
+        for mb in range(w):  # warm-up: fill the pipeline with the first w forwards
+            steps += self._forward(mb)
+        if w < m:
+            steps += _exchange("comm", recv_prev=self.recv_prev(w))
+        for i in range(m - w):  # steady state: forward w+i, then backward i
+            steps.append(("F", w + i, 0))
+            steps += _exchange("comm", send_next=self.send_next(w + i), recv_next=self.recv_next(i))
+            steps += self._backward(i, w + i + 1 if i < m - w - 1 else None)
+        for mb in range(m - w, m):  # cool-down: the warm-up's backwards, as their grads come back
+            steps += _exchange("comm", recv_next=self.recv_next(mb)) + self._backward(mb, None)
+        return steps
+
+    def _backward(self, mb: int, recv_fwd_mb: int | None) -> list:
+        """B of ``mb``, then its grad upstream together with the next forward's input (one
+        combined op, as Megatron). ZB-H1 posts that op and runs the W's due after this B
+        before waiting, so neither the upstream stage (waiting for the grad) nor this one
+        (a send is held until its peer posts the recv) idles while weight grads are pending."""
+        directions = {"send_prev": self.send_prev(mb), "recv_prev": self.recv_prev(recv_fwd_mb)}
+        if self.schedule != "zb-h1":
+            return [("B", mb, 0)] + _exchange("comm", **directions)
+        posted = _exchange("post", **directions)
+        ws = [("W", j, 0) for j in self._ws_after(mb)]
+        return [("B", mb, 0)] + posted + ws + ([Exchange("wait")] if posted else [])
+
+    def _ws_after(self, mb: int) -> list[int]:
+        delay = zb_h1_deferred_w(self.r)
+        ws = [mb - delay] if mb >= delay else []
+        if mb == self.m - 1:  # after the last B, the W's still deferred
+            ws += list(range(max(self.m - delay, 0), self.m))
+        return ws
 
 
 class InterleavedStage:
@@ -214,7 +262,7 @@ class InterleavedStage:
                 steps.append(Exchange("wait", handle))
                 open_handles.discard(handle)
 
-        for k in range(w):
+        for k in range(w):  # warm-up: forwards only; the last also posts the first grad's recv
             wait("fwd")
             steps.append(("F", *self.fwd[k]))
             post("fwd", send_next=self.send_next(k), recv_prev=self.recv_prev(k + 1))
@@ -223,7 +271,7 @@ class InterleavedStage:
         if w == total:
             wait("fwd")
             post("bwd", recv_next=self.recv_next(0))
-        for k in range(total - w):
+        for k in range(total - w):  # steady state: forward k+w, backward k, each its own op
             wait("fwd")
             steps.append(("F", *self.fwd[k + w]))
             post("fwd", send_next=self.send_next(k + w), recv_prev=self.recv_prev(k + w + 1))
@@ -231,7 +279,7 @@ class InterleavedStage:
             steps.append(("B", *self.bwd[k]))
             post("bwd", send_prev=self.send_prev(k), recv_next=self.recv_next(k + 1))
         wait("fwd")
-        for k in range(total - w, total):
+        for k in range(total - w, total):  # cool-down: the remaining backwards
             wait("bwd")
             steps.append(("B", *self.bwd[k]))
             post("bwd", send_prev=self.send_prev(k), recv_next=self.recv_next(k + 1))

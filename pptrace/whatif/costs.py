@@ -7,8 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..ingest import exchanges
-from ..ingest.lanes import lane_keys
+from ..timeline import exchanges
+from ..sweeps import lane_keys
+
+#: the columns of the latency observations (exchange_latencies, eager_latencies; latency_of reads them)
+LATENCY_COLUMNS = ("rank", "exchange", "link", "latency_ns")
 
 
 def exchange_spans(rank, exchange, start, end, ops: pd.DataFrame) -> pd.DataFrame:
@@ -27,6 +30,12 @@ def exchange_spans(rank, exchange, start, end, ops: pd.DataFrame) -> pd.DataFram
     return nxt.drop(columns="start_ns").sort_values("exchange").reset_index(drop=True)
 
 
+def _pipeline_pairs(run, steps) -> pd.DataFrame:
+    """The run's pipeline p2p pairs of ``steps``: what both latency models observe."""
+    pairs = run.pairs
+    return pairs[(pairs["kind"] == "pp").to_numpy() & pairs["step"].isin(steps).to_numpy()]
+
+
 def exchange_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
     """One latency observation per p2p exchange (exchanges.py; the loader's pairs carry each
     side's): its end minus the moment its last message was ready. The ranges of one combined
@@ -35,9 +44,8 @@ def exchange_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
     tail after its last match does not. Exchanges with passes inside (exchange_spans) are
     left out: their tail is the passes'. Rows in order of rank and exchange start (the order
     latency draws index)."""
-    columns = ["rank", "exchange", "link", "latency_ns"]
-    pairs = run.pairs
-    pairs = pairs[(pairs["kind"] == "pp").to_numpy() & pairs["step"].isin(steps).to_numpy()]
+    columns = list(LATENCY_COLUMNS)
+    pairs = _pipeline_pairs(run, steps)
     if pairs.empty:
         return pd.DataFrame(columns=columns)
     link = list(zip(pairs["src"].map(stage_of), pairs["dst"].map(stage_of)))
@@ -89,9 +97,8 @@ def eager_latencies(run, steps, ops: pd.DataFrame, stage_of) -> pd.DataFrame:
     below its bound (reverse Kaplan-Meier over all of them), not the bound, which would
     count the receiver's own lateness as latency, nor the recv's own span, which would drop
     the time the message took. Recvs with passes inside (posted, waited later) are left out."""
-    columns = ["rank", "exchange", "link", "latency_ns"]
-    pairs = run.pairs
-    pairs = pairs[(pairs["kind"] == "pp").to_numpy() & pairs["step"].isin(steps).to_numpy()]
+    columns = list(LATENCY_COLUMNS)
+    pairs = _pipeline_pairs(run, steps)
     if pairs.empty:
         return pd.DataFrame(columns=columns)
     dst = pairs["dst"].to_numpy(np.int64)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LOSS, PASS_OPS, SCHEDULES, canonical, has_closed_form
+from ..vocab import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, INTERLEAVED, LOSS, PASS_OPS, SCHEDULES, ZB_H1, canonical,
+                     has_closed_form)
 from ..schedules.replay import PipelineTimes, Timeline, action_programs, simulate
 from .costs import eager_latencies, exchange_latencies, latency_of, overhead, post_cost
 from ..progress import WHATIF, phased
@@ -32,6 +33,8 @@ SIMULATION_BUDGET = REPLICATIONS * 4096
 MIN_REPLICATIONS = 5
 OUTLIER_STEP = 0.25  # relative distance from the median step beyond which a step is left out
 SEED = 0
+#: the result's ``comparison``: what to read a prediction by (_comparison says when which)
+BY_REPLAY_ERROR, BY_THROUGHPUT, BY_STEP_TIME = "replay_error", "throughput", "step_time"
 
 
 @dataclass
@@ -163,7 +166,7 @@ def measure(run) -> Measured:
                           recv_s=float(observed.attrs.get("recv_ns", 0.0)) / 1e9)
 
     spans = run.pipeline_windows
-    window = pd.Series({s: spans[s][1] - spans[s][0] for s in steps.index if s in spans}, dtype="float64")
+    window = pd.Series({s: spans[s].end_ns - spans[s].start_ns for s in steps.index if s in spans}, dtype="float64")
     step_time = float(steps.median()) / 1e9
     fixed = float((steps - window.reindex(steps.index)).median()) / 1e9
     if len(steps) < 2:
@@ -172,7 +175,7 @@ def measure(run) -> Measured:
         schedule=schedule or "unknown", vpp=v, times=times, step_time_s=step_time,
         window_s=float(window.median()) / 1e9, fixed_s=max(fixed, 0.0),
         split_backward=split, wgrad_fraction=_wgrad_fraction(run), notes=notes,
-        overlap_p2p_comm=schedule == "interleaved" and _overlap_p2p_comm(run),
+        overlap_p2p_comm=schedule == INTERLEAVED and _overlap_p2p_comm(run),
         programs=programs,
     )
 
@@ -182,15 +185,14 @@ def _own_programs(run, v: int, m: int) -> tuple[list, int]:
     and the microbatch count (what the orders hold when the run did not say)."""
     from ..analyzers.bubble import action_orders, microbatch_times
 
-    view = run
-    found = action_orders(view, microbatch_times(view), v)
+    found = action_orders(run, microbatch_times(run), v)
     if found is None:
         raise ValueError(
             f"{run.path}: schedule {run.schedule or '(unknown)'} has no table in pptrace and the traces show "
             "no pipeline passes to take its order from; nothing to replay"
         )
     orders, placement, _ = found
-    m = max(m, 1 + max((mb for order in orders for _, _, mb in order), default=-1))
+    m = max(m, 1 + max((action.mb for order in orders for action in order), default=-1))
     return action_programs(orders, placement), m
 
 
@@ -199,13 +201,13 @@ def _own_programs(run, v: int, m: int) -> tuple[list, int]:
 # ---------------------------------------------------------------------------------------
 def _target(measured: Measured, m: int, schedule, vpp, microbatches) -> tuple[str, int, int]:
     if schedule is None:
-        schedule = "interleaved" if vpp is not None and vpp > 1 else measured.schedule
+        schedule = INTERLEAVED if vpp is not None and vpp > 1 else measured.schedule
     if vpp is None:
         if schedule == measured.schedule and measured.programs is not None:
             vpp = measured.vpp  # a schedule without a table keeps the stages it ran with
         else:
-            vpp = (measured.vpp if measured.vpp > 1 else 2) if schedule == "interleaved" else 1
-    if schedule != "interleaved" and vpp != 1 and not (schedule == measured.schedule and measured.programs):
+            vpp = (measured.vpp if measured.vpp > 1 else 2) if schedule == INTERLEAVED else 1
+    if schedule != INTERLEAVED and vpp != 1 and not (schedule == measured.schedule and measured.programs):
         raise ValueError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
     return schedule, vpp, int(microbatches or m)
 
@@ -229,12 +231,13 @@ def _drop_straggler(times: PipelineTimes) -> tuple[PipelineTimes, int | None]:
         a = a.copy()
         a[slow] = np.median(a[peers], axis=0)
         arrays.append(a)
-    return replace(times, fwd=arrays[0], bwd=arrays[1], wgrad=arrays[2]), slow
+    fwd, bwd, wgrad = arrays
+    return replace(times, fwd=fwd, bwd=bwd, wgrad=wgrad), slow
 
 
 def _for_schedule(measured: Measured, times: PipelineTimes, schedule: str, wgrad_fraction, notes) -> PipelineTimes:
     """Split or join B and W for the target schedule."""
-    if schedule != "zb-h1" or measured.split_backward:
+    if schedule != ZB_H1 or measured.split_backward:
         return times
     fraction = wgrad_fraction if wgrad_fraction is not None else measured.wgrad_fraction
     if wgrad_fraction is None and fraction is not None:
@@ -267,7 +270,7 @@ def _changes(measured: Measured, schedule: str, v: int, m: int, straggler, p2p_f
     changed = {
         "schedule": schedule != measured.schedule, "vpp": v != measured.vpp, "microbatches": m != measured.times.m,
         "no_straggler": straggler is not None, "p2p_free": bool(p2p_free),
-        "wgrad_fraction": wgrad_fraction is not None and schedule == "zb-h1" and not measured.split_backward,
+        "wgrad_fraction": wgrad_fraction is not None and schedule == ZB_H1 and not measured.split_backward,
     }
     return [name for name, yes in changed.items() if yes]
 
@@ -280,9 +283,9 @@ def _comparison(measured: Measured, m: int, predicted_step: float, changes: list
     ``step_time_ratio``: measured over predicted step time, always."""
     ratio = measured.step_time_s / predicted_step if predicted_step > 0 else None
     throughput = ratio * m / measured.times.m if ratio is not None and measured.times.m else None
-    basis = "replay_error" if not changes else "throughput" if "microbatches" in changes else "step_time"
+    basis = BY_REPLAY_ERROR if not changes else BY_THROUGHPUT if "microbatches" in changes else BY_STEP_TIME
     return {"changes": changes, "comparison": basis, "step_time_ratio": ratio, "throughput_ratio": throughput,
-            "speedup": None if basis == "replay_error" else throughput}
+            "speedup": None if basis == BY_REPLAY_ERROR else throughput}
 
 
 def _replicated(schedule: str, times: PipelineTimes, v: int, sends: str, n: int, overlap: bool,
@@ -366,10 +369,10 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
         times = replace(times, latency_s=0.0, latency_samples=None)
     times = replace(times, fwd=_resize(times.fwd, m), bwd=_resize(times.bwd, m), wgrad=_resize(times.wgrad, m))
     times = _for_schedule(measured, times, target, wgrad_fraction, notes)
-    if measured.split_backward and target != "zb-h1":
+    if measured.split_backward and target != ZB_H1:
         notes.append("B and W measured separately run back to back as one backward in this schedule")
     # a schedule the run did not use runs as Megatron's training scripts run it by default
-    overlap = measured.overlap_p2p_comm if target == measured.schedule else target == "interleaved"
+    overlap = measured.overlap_p2p_comm if target == measured.schedule else target == INTERLEAVED
     own = measured.programs if target == measured.schedule else None
     if own is not None and m != measured.times.m:
         raise ValueError(

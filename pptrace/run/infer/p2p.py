@@ -1,0 +1,120 @@
+"""The p2p ops of a plain trace: each gloo send / recv with its post, its peer (a group rank
+mapped to a global one through pg_config's process groups), and the stage, direction and
+microbatch a ``PP:..SEND_F..`` range around the post names."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ...ingest.schema import tags_of
+from .result import Inference
+
+_DIR = {"F": "fwd", "B": "bwd"}
+#: pg_desc of a process group -> the dim it spans (Megatron's group names, DeviceMesh's)
+_GROUP_DESC = {
+    "PIPELINE_MODEL_PARALLEL_GROUP": "pp", "TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "CONTEXT_PARALLEL_GROUP": "cp", "mesh_pp": "pp", "mesh_tp": "tp", "mesh_cp": "cp",
+}
+NO_PEERS_HINT = ("profile with record_shapes=True (torch.profiler) so pptrace can pair p2p sends "
+                 "with recvs")
+
+
+def _process_groups(metas: dict) -> dict:
+    """rank -> [(desc, ranks)] from distributedInfo.pg_config."""
+    out = {}
+    for rank, meta in metas.items():
+        config = ((meta or {}).get("distributed") or {}).get("pg_config")
+        if isinstance(config, list):
+            out[int(rank)] = [(str(g.get("pg_desc")), [int(r) for r in g.get("ranks") or []])
+                              for g in config if isinstance(g, dict) and isinstance(g.get("ranks"), list)]
+    return out
+
+
+def dim_groups(metas: dict) -> dict:
+    """dim -> {rank: ranks of its group along dim} for groups pg_config names (pp, tp, cp)."""
+    out: dict = {}
+    for rank, groups in _process_groups(metas).items():
+        for desc, ranks in groups:
+            dim = _GROUP_DESC.get(desc)
+            if dim and rank in ranks:
+                out.setdefault(dim, {})[rank] = ranks
+    return out
+
+
+def p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
+    """One row per gloo p2p range: index (its event row), rank, step, is_send, start/end,
+    peer (global rank or -1), tag, stage/dir/mb from a ``PP:..SEND_F..`` range around its
+    post (-1 / "" where none), bytes."""
+    wires = rows[rows["kind"] == "wire"]
+    if wires.empty:
+        return pd.DataFrame(columns=["index", "post_index", "post_start", "rank", "pid", "tid", "step", "is_send",
+                                     "start_ns", "end_ns", "peer", "tag",
+                                     "stage", "dir", "mb", "bytes"])
+    posts = rows[rows["kind"] == "post"]
+    found = {}
+    for tags in posts["tags"].dropna().unique():  # per distinct tag value
+        t = tags_of(tags)
+        if "group_peer" in t:
+            found[tags] = (int(t["group_peer"]), int(t.get("tag", 0)))
+    tag_col = posts["tags"].astype(object)
+    posts = posts.assign(
+        post_index=posts.index.to_numpy(),
+        group_peer=tag_col.map(lambda x: found.get(x, (-1, 0))[0]).to_numpy(np.int64),
+        tag=tag_col.map(lambda x: found.get(x, (-1, 0))[1]).to_numpy(np.int64),
+        post_start=posts["start_ns"].to_numpy(), post_end=posts["end_ns"].to_numpy(),
+    )
+    # the name of the action that posted it (PP:1SEND_F3 encloses its c10d::send)
+    named = rows[rows["kind"] == "pp_p2p"]
+    if len(named):
+        named = named.assign(n_start=named["start_ns"], n_end=named["end_ns"], n_stage=named["stage"],
+                             n_dir=named["act"].map(_DIR), n_mb=named["mb"], n_send=named["send"])
+        posts = pd.merge_asof(
+            posts.sort_values("post_start"), named[["rank", "n_start", "n_end", "n_stage", "n_dir", "n_mb", "n_send"]]
+            .sort_values("n_start"), left_on="post_start", right_on="n_start", by="rank", direction="backward")
+        inside = (posts["n_end"] >= posts["post_end"]) & (posts["n_send"] == posts["send"])
+        for col, empty in (("n_stage", -1), ("n_mb", -1), ("n_dir", "")):
+            posts[col] = posts[col].where(inside, empty)
+    else:
+        posts = posts.assign(n_stage=-1, n_mb=-1, n_dir="")
+    wires = wires.assign(index=wires.index.to_numpy())
+    ops = pd.merge_asof(
+        wires.sort_values("start_ns"),
+        posts[["rank", "send", "post_index", "post_start", "group_peer", "tag", "n_stage", "n_dir", "n_mb"]]
+        .sort_values("post_start"),
+        left_on="start_ns", right_on="post_start", by=["rank", "send"], direction="backward")
+    ops["group_peer"] = ops["group_peer"].fillna(-1).astype(np.int64)
+    peer = _global_peers(ops["rank"].to_numpy(np.int64), ops["group_peer"].to_numpy(), metas)
+    ops = pd.DataFrame({
+        "index": ops["index"].to_numpy(np.int64), "post_index": ops["post_index"].fillna(-1).to_numpy(np.int64),
+        "post_start": ops["post_start"].fillna(-1).to_numpy(np.int64),
+        "rank": ops["rank"].to_numpy(np.int64), "pid": ops["pid"].to_numpy(np.int64),
+        "tid": ops["tid"].to_numpy(np.int64),
+        "step": ops["step"].to_numpy(np.int64), "is_send": ops["send"].to_numpy(bool),
+        "start_ns": ops["start_ns"].to_numpy(np.int64), "end_ns": ops["end_ns"].to_numpy(np.int64),
+        "peer": peer, "tag": ops["tag"].fillna(0).to_numpy(np.int64),
+        "stage": ops["n_stage"].fillna(-1).to_numpy(np.int64), "dir": ops["n_dir"].fillna("").to_numpy(object),
+        "mb": ops["n_mb"].fillna(-1).to_numpy(np.int64), "bytes": ops["bytes"].astype("Int64"),
+    }).sort_values(["rank", "start_ns"], kind="stable").reset_index(drop=True)
+    unknown = ops[ops["peer"] < 0]
+    if len(unknown):
+        ranks = sorted(int(r) for r in unknown["rank"].unique())
+        out.warnings.append(
+            f"the peers of {len(unknown)} p2p sends/recvs (gloo:send / gloo:recv on ranks {ranks[:8]}) are "
+            "unknown: their c10d::send / c10d::recv_ carry no 'Concrete Inputs'; " + NO_PEERS_HINT)
+    if (ops["peer"] >= 0).any():
+        out.inferred["peers"] = "'Concrete Inputs' of the c10d::send / c10d::recv_ posts (group rank -> global)"
+    return ops
+
+
+def _global_peers(rank: np.ndarray, group_peer: np.ndarray, metas: dict) -> np.ndarray:
+    """Group ranks -> global ranks through each rank's pipeline group (pg_config), else the
+    default group (the identity); -1 where unknown."""
+    pp_groups = dim_groups(metas).get("pp", {})
+    out = group_peer.copy()
+    for r in np.unique(rank):
+        ranks = pp_groups.get(int(r))
+        if ranks:
+            mine = (rank == r) & (group_peer >= 0) & (group_peer < len(ranks))
+            out[mine] = np.asarray(ranks, dtype=np.int64)[group_peer[mine]]
+    out[out == rank] = -1  # a send to oneself is no pipeline p2p
+    return out

@@ -1,0 +1,195 @@
+"""Sets of half-open time intervals [start, end) in integer nanoseconds, as sorted disjoint
+numpy arrays. The step partition is a sweep of such sets in priority order, so exactness
+(int64, no floats) is what makes the parts sum to the step time to the nanosecond.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..sweeps import running_max
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """Disjoint, sorted, non-empty intervals; build with :func:`union` or :meth:`empty`."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def empty(cls) -> "Intervals":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    @classmethod
+    def span(cls, start: int, end: int) -> "Intervals":
+        return union([start], [end])
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def total(self) -> int:
+        return int((self.ends - self.starts).sum())
+
+    def covered(self, starts, ends) -> np.ndarray:
+        """Per query [start, end): how much of it the set covers (vectorised)."""
+        return self._covered_before(np.asarray(ends, np.int64)) - self._covered_before(np.asarray(starts, np.int64))
+
+    def _covered_before(self, t: np.ndarray) -> np.ndarray:
+        """Per time t: the set's length before t."""
+        if not len(self):
+            return np.zeros(len(t), np.int64)
+        done = np.r_[0, np.cumsum(self.ends - self.starts)]  # length of the first k intervals
+        k = np.searchsorted(self.starts, t, side="right")  # intervals starting at or before t
+        last = np.maximum(k - 1, 0)
+        partial = np.clip(t - self.starts[last], 0, self.ends[last] - self.starts[last])
+        return np.where(k > 0, done[last] + partial, 0)
+
+    def clip(self, start: int, end: int) -> "Intervals":
+        """The part inside [start, end): two binary searches, so that clipping a whole
+        run's set to each step costs nothing like a sweep of the set."""
+        if end <= start:
+            return Intervals.empty()
+        i = int(np.searchsorted(self.ends, start, side="right"))  # first ending after start
+        j = int(np.searchsorted(self.starts, end, side="left"))   # past the last starting before end
+        if i >= j:
+            return Intervals.empty()
+        starts, ends = self.starts[i:j].copy(), self.ends[i:j].copy()
+        starts[0], ends[-1] = max(starts[0], start), min(ends[-1], end)
+        return Intervals(starts, ends)
+
+    def __or__(self, other: "Intervals") -> "Intervals":
+        return union(np.concatenate([self.starts, other.starts]),
+                     np.concatenate([self.ends, other.ends]))
+
+    def __and__(self, other: "Intervals") -> "Intervals":
+        return intersect(self, other)
+
+    def __sub__(self, other: "Intervals") -> "Intervals":
+        return subtract(self, other)
+
+
+def union(starts, ends) -> Intervals:
+    """Merge possibly overlapping intervals; empty and inverted ones are dropped."""
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    keep = ends > starts
+    starts, ends = starts[keep], ends[keep]
+    if len(starts) == 0:
+        return Intervals.empty()
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)
+    # A new run begins where an interval starts strictly after everything before it ended.
+    new_run = np.ones(len(starts), bool)
+    new_run[1:] = starts[1:] > reach[:-1]
+    run_id = np.cumsum(new_run) - 1
+    out_starts = starts[new_run]
+    out_ends = np.zeros(len(out_starts), np.int64)
+    np.maximum.at(out_ends, run_id, reach)
+    return Intervals(out_starts, out_ends)
+
+
+def union_by_group(n_groups: int, group, starts, ends) -> list[Intervals]:
+    """``union`` of the intervals of each group 0 .. n_groups-1 (a list, one per group),
+    all groups in one sort."""
+    group, starts, ends = (np.asarray(a, np.int64) for a in (group, starts, ends))
+    keep = ends > starts
+    group, starts, ends = group[keep], starts[keep], ends[keep]
+    order = np.lexsort((starts, group))
+    group, starts, ends = group[order], starts[order], ends[order]
+    reach = running_max(group, ends)  # restarts with each group
+    new_run = np.ones(len(starts), bool)
+    new_run[1:] = (group[1:] != group[:-1]) | (starts[1:] > reach[:-1])
+    last = np.flatnonzero(np.append(new_run[1:], True)[:len(starts)])  # each run's last interval
+    cuts = np.cumsum(np.bincount(group[new_run], minlength=n_groups))[:-1]
+    return [Intervals(s, e) for s, e in zip(np.split(starts[new_run], cuts), np.split(reach[last], cuts))]
+
+
+def private_axes(keys, starts, ends) -> np.ndarray:
+    """Per row, an offset that moves each key's times onto an axis of its own: after
+    adding it, intervals of different keys lie apart (never touching), so that one union,
+    intersection or ``covered`` over all keys at once gives each key's own answer. Keys are
+    laid out in sorted order, each a span of all the times given (plus one) apart."""
+    keys, starts, ends = (np.asarray(a, np.int64) for a in (keys, starts, ends))
+    if not len(keys):
+        return np.zeros(0, np.int64)
+    lo, hi = int(starts.min()), int(max(ends.max(), starts.max()))
+    uniq, index = np.unique(keys, return_inverse=True)
+    stride = hi - lo + 1
+    if stride * len(uniq) >= 2**62:
+        raise ValueError(f"times span {stride} ns: too long for {len(uniq)} private axes in int64")
+    return index.astype(np.int64) * stride - lo
+
+
+def _boundaries(a: Intervals, b: Intervals):
+    """Elementary segments between all boundaries, and whether each lies in a / in b."""
+    points = np.sort(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
+    points = points[np.r_[True, points[1:] != points[:-1]]] if len(points) else points
+    if len(points) < 2:
+        return None
+    lo, hi = points[:-1], points[1:]
+
+    def inside(s: Intervals):
+        if len(s) == 0:
+            return np.zeros(len(lo), bool)
+        idx = np.searchsorted(s.starts, lo, side="right") - 1
+        ok = idx >= 0
+        res = np.zeros(len(lo), bool)
+        res[ok] = lo[ok] < s.ends[idx[ok]]
+        return res
+
+    return lo, hi, inside(a), inside(b)
+
+
+def gaps_per_window(w_start, w_end, busy: Intervals):
+    """Per window (sorted, disjoint, possibly touching: steps): the parts ``busy`` leaves
+    free, as maximal runs that never cross into the next window -> (window index, starts,
+    ends). ``Intervals.span(start, end) - busy`` for every window in one sweep."""
+    w_start, w_end = np.asarray(w_start, np.int64), np.asarray(w_end, np.int64)
+    seg = _boundaries(Intervals(w_start, w_end), busy)  # not union(): touching windows stay apart
+    if seg is None:
+        return (np.zeros(0, np.int64),) * 3
+    lo, hi, in_window, taken = seg
+    free = in_window & ~taken
+    lo, hi = lo[free], hi[free]
+    win = np.searchsorted(w_start, lo, side="right") - 1
+    if not len(lo):
+        return win, lo, hi
+    first = np.ones(len(lo), bool)  # consecutive free segments of one window form one gap
+    first[1:] = (lo[1:] != hi[:-1]) | (win[1:] != win[:-1])
+    return win[first], lo[first], hi[np.append(first[1:], True)]
+
+
+def _select(a: Intervals, b: Intervals, rule) -> Intervals:
+    seg = _boundaries(a, b)
+    if seg is None:
+        return Intervals.empty()
+    lo, hi, in_a, in_b = seg
+    keep = rule(in_a, in_b)
+    return union(lo[keep], hi[keep])
+
+
+def intersect(a: Intervals, b: Intervals) -> Intervals:
+    return _select(a, b, lambda x, y: x & y)
+
+
+def subtract(a: Intervals, b: Intervals) -> Intervals:
+    return _select(a, b, lambda x, y: x & ~y)
+
+
+def partition(window: tuple[int, int], parts: list[tuple[str, Intervals]], rest: str):
+    """Sweep ``parts`` in priority order over ``window``: each part keeps what no earlier part
+    took. Returns {name: Intervals}; ``rest`` gets what nobody took, so the totals sum to the
+    window length exactly."""
+    start, end = window
+    taken = Intervals.empty()
+    out = {}
+    for name, intervals in parts:
+        mine = intervals.clip(start, end) - taken
+        out[name] = (out[name] | mine) if name in out else mine
+        taken = taken | mine
+    out[rest] = Intervals.span(start, end) - taken
+    return out

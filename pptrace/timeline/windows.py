@@ -1,0 +1,100 @@
+"""Step windows: the one definition of when a step, and its pipeline, ran.
+
+- A rank's **step window** is its ``ProfilerStep#N`` range on the main thread (host), or,
+  for a rank with GPU work, the span of the GPU activity launched inside that range, cut
+  where the next step's first activity starts (the GPU runs behind the host, so the host
+  range would hand the tail of step N's kernels to step N+1; see analyzers/gpu_timeline.py).
+- A step's **pipeline window** (DESIGN contract 3) runs from the first pipeline operation
+  (a pass or a p2p range) to the last one across all stages, on aligned clocks; on GPU
+  traces from where that work ran, not where it was launched.
+
+The Run caches these (``run.step_windows``, ``run.pipeline_windows``); everything that
+needs a window (partition, bubble split, what-if, critical path, dashboard) takes it there.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from ..vocab import PIPELINE_COMPUTE
+from .projection import KERNEL_CATEGORIES, gpu_extent
+
+#: what a rank's GPU step is made of
+GPU_ACTIVITY = (*KERNEL_CATEGORIES, "memcpy")
+
+
+class Window(NamedTuple):
+    """A step's or a pipeline's window, ns on aligned clocks; still a (start, end) pair to
+    unpack, so that callers handing in plain pairs (tests, tools) read the same."""
+
+    start_ns: int
+    end_ns: int
+
+
+def host_step_windows(events: pd.DataFrame, steps=None) -> dict:
+    """(rank, step) -> Window of ProfilerStep#N on that rank's main thread."""
+    marks = events[(events["category"] == "step").to_numpy() & (events["lane_kind"] == "host").to_numpy()]
+    if "lane" in marks.columns:
+        # a rank's marks on its main thread when it has any there, else on whichever thread
+        # recorded them: decided per rank, as another rank's main-thread marks say nothing of it
+        on_main = (marks["lane"].astype(str) == "main").to_numpy()
+        rank = marks["rank"].to_numpy()
+        marks = marks[on_main | ~np.isin(rank, np.unique(rank[on_main]))]
+    if steps is not None:
+        marks = marks[marks["step"].isin(list(steps)).to_numpy()]
+    keys = zip(marks["rank"].to_numpy(np.int64).tolist(), marks["step"].to_numpy(np.int64).tolist())
+    spans = map(Window, marks["start_ns"].to_numpy(np.int64).tolist(), marks["end_ns"].to_numpy(np.int64).tolist())
+    return dict(zip(keys, spans))
+
+
+def gpu_step_windows(events: pd.DataFrame, steps=None) -> dict:
+    """(rank, step) -> Window of each step's GPU work, for ranks that have GPU work."""
+    work = events[events["category"].isin(list(GPU_ACTIVITY)).to_numpy() & (events["step"] >= 0).to_numpy()]
+    if work.empty:
+        return {}
+    g = (work.groupby(["rank", "step"], observed=True)
+         .agg(start=("start_ns", "min"), end=("end_ns", "max")).sort_index())
+    rank = g.index.get_level_values(0).to_numpy(np.int64)
+    step = g.index.get_level_values(1).to_numpy(np.int64)
+    start, end = g["start"].to_numpy(np.int64), g["end"].to_numpy(np.int64)
+    # steps never overlap: a step's window stops where the same rank's next step starts
+    same_rank_next = np.append(rank[1:] == rank[:-1], False)
+    end = np.where(same_rank_next, np.minimum(end, np.append(start[1:], 0)), end)
+    keep = np.isin(step, list(steps)) if steps is not None else np.ones(len(step), bool)
+    return dict(zip(zip(rank[keep].tolist(), step[keep].tolist()), map(Window, start[keep].tolist(), end[keep].tolist())))
+
+
+def step_windows(events: pd.DataFrame, steps=None, gpu_ranks=()) -> dict:
+    """(rank, step) -> the Window the partition covers: the host step, replaced by the GPU
+    step for ``gpu_ranks`` (ranks whose timeline is their GPU's)."""
+    windows = host_step_windows(events, steps)
+    if len(gpu_ranks):
+        gpu = gpu_step_windows(events, set(steps) if steps is not None else None)
+        windows.update({(rank, step): w for (rank, step), w in gpu.items()
+                        if rank in gpu_ranks and (rank, step) in windows})
+    return windows
+
+
+def pipeline_windows(events: pd.DataFrame, pp: int) -> dict:
+    """step -> Window from the first pipeline op's start to the last one's end, across all stages."""
+    if pp <= 1:
+        return {}
+    host = events[(events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy()
+                  & (events["step"] >= 0).to_numpy()]
+    pipe = ((host["category"] == "p2p").to_numpy()
+            | ((host["category"] == "compute").to_numpy() & host["op"].isin(PIPELINE_COMPUTE).to_numpy()))
+    ops = host[pipe]
+    if ops.empty:
+        return {}
+    start, end, _ = gpu_extent(events, ops)  # GPU traces: where the work ran, not its launch
+    g = pd.DataFrame({"step": ops["step"].to_numpy(np.int64), "s": start, "e": end}).groupby("step")
+    lo, hi = g["s"].min(), g["e"].max()
+    return dict(zip(lo.index.tolist(), map(Window, lo.to_numpy(np.int64).tolist(), hi.to_numpy(np.int64).tolist())))
+
+
+def profiled_steps(events: pd.DataFrame) -> tuple[int, ...]:
+    """The steps that have a ProfilerStep range on some rank."""
+    marks = events.loc[(events["category"] == "step").to_numpy(), "step"].to_numpy(np.int64)
+    return tuple(int(s) for s in np.unique(marks[marks >= 0]))

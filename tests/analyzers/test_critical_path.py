@@ -1,0 +1,66 @@
+"""The cross-rank critical path on synthetic runs with exact timing (tests/tracegen.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pptrace.analyzers.critical_path import critical_path, step_bounds
+from pptrace.run.build import load_run
+from tracegen import pipeline_run
+
+FWD_US, BWD_US = 1000.0, 2000.0
+
+
+@pytest.fixture(scope="module")
+def gpipe(tmp_path_factory):
+    out, _ = pipeline_run(tmp_path_factory.mktemp("cp"), pp=3, microbatches=4, steps=(1, 2),
+                          fwd_us=FWD_US, bwd_us=BWD_US, skew_ns={1: 3_000_000, 2: -2_000_000})
+    return load_run(out, progress=False)
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_gpipe_path_computes_m_plus_p_minus_1_slots(gpipe, step):
+    path = critical_path(gpipe, step)
+    p, m = 3, 4
+    assert path.stages == [0, 1, 2]
+    compute = path.segments.loc[path.segments["phase"].str.startswith("compute:"), "dur_ns"].sum()
+    assert compute == pytest.approx((m + p - 1) * (FWD_US + BWD_US) * 1e3, rel=0.01)
+    # the last stage runs every forward on the path, the first stage every backward
+    by = path.by_rank_phase.set_index(["rank", "phase"])["time_s"]
+    assert by[(2, "compute:fwd")] == pytest.approx(m * FWD_US / 1e6)
+    assert by[(0, "compute:bwd")] == pytest.approx(m * BWD_US / 1e6)
+
+
+def test_segments_tile_the_step_without_gaps(gpipe):
+    path = critical_path(gpipe, 1)
+    seg = path.segments
+    assert (seg["end_ns"].to_numpy()[:-1] == seg["start_ns"].to_numpy()[1:]).all()
+    assert path.length_s == pytest.approx(path.span_s, rel=1e-9)
+    assert path.length_s == pytest.approx(path.step_time_s, rel=0.02)
+    assert path.by_rank_phase["fraction"].sum() == pytest.approx(1.0)
+    assert np.all(seg["dur_ns"] > 0)
+
+
+def test_unprofiled_step_is_a_clear_error(gpipe):
+    with pytest.raises(ValueError, match="step 7 was not profiled"):
+        critical_path(gpipe, 7)
+
+
+def test_step_bounds_say_what_bounded_each_step(gpipe, tmp_path):
+    bounds = step_bounds(gpipe)
+    assert [b["step"] for b in bounds] == [1, 2]
+    for b, step in zip(bounds, (1, 2)):
+        path = critical_path(gpipe, step)
+        assert b["length_s"] == path.length_s and b["stages"] == [0, 1, 2] and b["ranks"] == [0, 1, 2]
+        parts = b["compute_s"] + b["p2p_s"] + b["comm_s"] + b["other_s"]
+        assert parts == pytest.approx(b["length_s"], rel=1e-9)
+        assert b["compute_s"] == pytest.approx((4 + 3 - 1) * (FWD_US + BWD_US) / 1e6, rel=0.01)
+        assert b["summary"].startswith(f"step {step} bound by compute")
+    # no pipeline, nothing to say; a step without its ProfilerStep range is left out
+    out, _ = pipeline_run(tmp_path / "dp", pp=1, dp=2, microbatches=2, steps=(1,))
+    assert step_bounds(load_run(out, progress=False)) == []
+    ev = gpipe.events
+    partial = replace(gpipe, events=ev[~((ev["category"] == "step") & (ev["step"] == 2)).to_numpy()])
+    assert [b["step"] for b in step_bounds(partial)] == [1]
