@@ -23,7 +23,8 @@ from pptrace.output import cannot_write, replacing, write_file
 from pptrace.vocab import LAYOUT_DIMS
 
 from .blocks import LABEL_MIN_FONT_PX, MAX_LABELS_IN_VIEW
-from .figures import replay_figure, report_figures, timeline_figure
+from .figures import report_figures
+from .pipeline_figures import replay_figure, timeline_figure
 from .timeline import build_timeline
 
 SECTIONS = (  # (figure key, heading, what to read in it)

@@ -103,7 +103,7 @@ def lanes_for(layout, ranks) -> list[Lane]:
         stage = layout.coords(r).pp
         if previous_stage is not None and stage != previous_stage:
             y += 0.6
-        lanes.append(Lane(rank=int(r), stage=stage, label=f"rank {r} · {layout.describe(r)}", y=y))
+        lanes.append(Lane(rank=int(r), stage=stage, label=layout.label(r), y=y))
         y += len(ROWS)
         previous_stage = stage
     return lanes

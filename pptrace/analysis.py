@@ -27,7 +27,7 @@ from .analyzers.critical_path import step_bounds
 from .analyzers.experts import expert_load
 from .analyzers.gpu_timeline import gpu_timeline, is_launch_bound
 from .analyzers.p2p import MatchedPairs, link_table, match_pairs
-from .analyzers.partition import breakdown_table, partition_run
+from .analyzers.partition import breakdown_table, partition_run, untagged_p2p_rows
 from .analyzers.stragglers import find_stragglers
 from .timeline.projection import KERNEL_CATEGORIES, drawn_ranges
 from .run.model import Run
@@ -143,8 +143,7 @@ def _input_warnings(run: Run, partitions, pairs_unmatched) -> list[str]:
             f"ranks {unstepped[:8]} have no profiled ProfilerStep#N range on their main thread; "
             "their time is not partitioned (call prof.step() every step)"
         )
-    untagged = ((ev["category"] == "p2p") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
-                & ev["peer"].isna()).sum()
+    untagged = int(untagged_p2p_rows(ev).sum())
     if untagged:
         warnings.append(
             f"{untagged} pipeline p2p ranges carry no peer/mb tags (Megatron's own range names): "

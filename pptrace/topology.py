@@ -175,3 +175,7 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep{self.expert_coords(rank)[0]}")
         return " ".join(parts) or "single"
+
+    def label(self, rank: int) -> str:
+        """How a rank is named on screen: "rank 3 · pp1 tp1" (a rank past the layout: "rank 9")."""
+        return f"rank {rank} · {self.describe(rank)}" if rank < self.world_size else f"rank {rank}"

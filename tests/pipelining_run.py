@@ -82,7 +82,7 @@ def stage_ranks(schedule: str, pp: int, v: int) -> list[int]:
 # --------------------------------------------------------------------------------------
 
 
-def _now() -> tuple[int, int]:
+def now() -> tuple[int, int]:
     return time.perf_counter_ns(), time.time_ns()
 
 
@@ -94,33 +94,33 @@ class Recorder:
         self._action = None
 
     def begin_step(self, step: int) -> None:
-        ns, epoch = _now()
+        ns, epoch = now()
         self.steps.append({"step": step, "start_ns": ns, "start_epoch_ns": epoch, "actions": [], "p2p": [],
                            "losses": []})
 
     def mark(self, name: str) -> None:
         """A named instant of the current step (``<name>_ns`` and ``<name>_epoch_ns``)."""
-        ns, epoch = _now()
+        ns, epoch = now()
         self.steps[-1].update({f"{name}_ns": ns, f"{name}_epoch_ns": epoch})
 
     def end_step(self) -> None:
-        ns, epoch = _now()
+        ns, epoch = now()
         self.steps[-1].update(end_ns=ns, end_epoch_ns=epoch)
 
     @contextlib.contextmanager
     def _timed(self, into: str, **fields):
         """A span of the current step logged in its ``into`` list, the sleeps inside it with it."""
-        ns, epoch = _now()
+        ns, epoch = now()
         record = {**fields, "start_ns": ns, "start_epoch_ns": epoch, "sleeps": []}
         outer, self._action = self._action, record
         try:
             yield
         finally:
             self._action = outer
-            ns, epoch = _now()
+            ns, epoch = now()
             record.update(end_ns=ns, end_epoch_ns=epoch)
-            if self.steps:
-                self.steps[-1][into].append(record)
+            if self.open_step() is not None:
+                self.open_step()[into].append(record)
 
     def action(self, op: str, stage: int, chunk: int, mb: int):
         """A compute action of the schedule (a pass), logged in the step's ``actions``."""
@@ -131,33 +131,37 @@ class Recorder:
         ``losses``: compute, but no action of the schedule."""
         return self._timed("losses")
 
+    def open_step(self) -> dict | None:
+        """The step a record made now belongs to (here: the last one begun)."""
+        return self.steps[-1] if self.steps else None
+
     def timed_p2p(self, fn):
         """``fn`` (torch's ``_batch_p2p`` or ``_wait_batch_p2p``) with each call's span logged
         in the step's ``p2p``: what lies between two of them and is no pass is the framework's.
         Wrapped with its signature, which pptrace's integration checks before it wraps it too."""
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            ns, epoch = _now()
+            ns, epoch = now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                if self.steps:
-                    end_ns, end_epoch = _now()
-                    self.steps[-1]["p2p"].append({"start_ns": ns, "end_ns": end_ns, "start_epoch_ns": epoch,
+                if self.open_step() is not None:
+                    end_ns, end_epoch = now()
+                    self.open_step()["p2p"].append({"start_ns": ns, "end_ns": end_ns, "start_epoch_ns": epoch,
                                                   "end_epoch_ns": end_epoch})
         return call
 
     def sleep(self, kind: str, seconds: float) -> None:
         if seconds <= 0:
             return
-        ns, epoch = _now()
+        ns, epoch = now()
         time.sleep(seconds)
-        end_ns, end_epoch = _now()
+        end_ns, end_epoch = now()
         entry = {"kind": kind, "start_ns": ns, "end_ns": end_ns, "start_epoch_ns": epoch, "end_epoch_ns": end_epoch}
         if self._action is not None:
             self._action["sleeps"].append(entry)
-        elif self.steps:  # a pass outside any action (should not happen): keep it visible
-            self.steps[-1].setdefault("loose_sleeps", []).append(entry)
+        elif self.open_step() is not None:  # a pass outside any action (should not happen): keep it visible
+            self.open_step().setdefault("loose_sleeps", []).append(entry)
 
 
 RECORDER = Recorder()
@@ -266,7 +270,7 @@ def _time_losses(schedules) -> None:
     owner._maybe_compute_loss = timed
 
 
-def _order_rows(actions, sends: bool = False) -> list:
+def order_rows(actions, sends: bool = False) -> list:
     """torch's action list -> [op, stage, mb] rows of compute actions (sub-actions expanded);
     with ``sends``, SEND_F / SEND_B too, as ["SF" | "SB", sending stage, mb] where they stand."""
     names = {"F": "F", "B": "B", "I": "I", "W": "W", **({"SEND_F": "SF", "SEND_B": "SB"} if sends else {})}
@@ -409,8 +413,8 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
             "schedule": cfg["schedule"], "microbatches": m, "mode": cfg["mode"],
             "fwd_ms": cfg["fwd_ms"], "bwd_ms": cfg["bwd_ms"], "wgrad_ms": cfg["wgrad_ms"], "loss_ms": cfg["loss_ms"],
             "stages": mine, "stage_ranks": [pp_ranks[p] for p in placement],
-            "pipeline_order": _order_rows(order.get(pp_rank)),
-            "pipeline_order_with_comms": _order_rows(with_comms.get(pp_rank), sends=True) if with_comms else None,
+            "pipeline_order": order_rows(order.get(pp_rank)),
+            "pipeline_order_with_comms": order_rows(with_comms.get(pp_rank), sends=True) if with_comms else None,
             "torch": torch.__version__, "steps": RECORDER.steps,
         }
         (out / "truth").mkdir(parents=True, exist_ok=True)
@@ -446,10 +450,6 @@ def run(
 
     ``v``: stages per rank (default 1 for GPipe/1F1B, 2 otherwise; the V schedules need 2).
     ``dp``: data-parallel replicas (world = pp * dp, a DeviceMesh ("pp", "dp"))."""
-    import torch.multiprocessing as mp
-
-    from instrumented_model.train import start_method
-
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     if mode not in MODES:
@@ -468,21 +468,32 @@ def run(
     cfg = dict(out=str(out), schedule=schedule, world=world, pp=world // dp, dp=dp, v=v, microbatches=microbatches,
                steps=steps, profile_steps=profile_steps, mode=mode, fwd_ms=fwd_ms, bwd_ms=bwd_ms, wgrad_ms=wgrad_ms,
                loss_ms=loss_ms)
+    spawn_ranks(_worker, cfg, world, timeout, schedule)
+    return out
+
+
+def spawn_ranks(worker, cfg: dict, world: int, timeout: float, what: str) -> None:
+    """``worker(rank, cfg, store)`` in ``world`` processes (gloo on the loopback, one thread
+    each, a file:// store in a scratch directory), every one killed unless all finish within
+    ``timeout`` seconds."""
+    import torch.multiprocessing as mp
+
+    from instrumented_model.train import start_method
+
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    with tempfile.TemporaryDirectory(prefix="pipelining-") as scratch:
-        ctx = mp.start_processes(_worker, args=(cfg, os.path.join(scratch, "store")), nprocs=world,
+    with tempfile.TemporaryDirectory(prefix="ranks-") as scratch:
+        ctx = mp.start_processes(worker, args=(cfg, os.path.join(scratch, "store")), nprocs=world,
                                  join=False, start_method=start_method())
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{schedule}: {world} ranks did not finish within {timeout} s")
+                    raise TimeoutError(f"{what}: {world} ranks did not finish within {timeout} s")
         finally:
             for proc in ctx.processes:
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-    return out
 
 
 def load_truth(out_dir) -> dict:

@@ -111,6 +111,26 @@ def step_span(truths: dict, rank: int, step: int) -> tuple:
     return own["start_epoch_ns"], own["end_epoch_ns"]
 
 
+def orders_that_ran(truths: dict, step: int, recorded_if_same: bool = True) -> tuple[list, list]:
+    """(per pipeline position its action order, global stage -> position) from the truth of
+    torch pipelining: the order torch's runtime schedules run, send posts included
+    (``pipeline_order_with_comms``); for GPipe / 1F1B, which post each send right after its
+    pass, the order ``step`` ran, or (``recorded_if_same``) the schedule's own
+    ``pipeline_order`` when it holds the same actions."""
+    by_pos = {t["pp_rank"]: t for t in truths.values()}
+    placement = [by_pos[0]["pp_ranks"].index(r) for r in by_pos[0]["stage_ranks"]]
+    orders = []
+    for pos in range(len(by_pos)):
+        t = by_pos[pos]
+        order = t["pipeline_order_with_comms"]
+        if order is None:
+            executed = [[a["op"], a["stage"], a["mb"]] for a in truth_step(t, step)["actions"]]
+            same = recorded_if_same and sorted(t["pipeline_order"]) == sorted(executed)
+            order = t["pipeline_order"] if same else executed
+        orders.append([tuple(a) for a in order])
+    return orders, placement
+
+
 def sends_per_step(truths: dict) -> int:
     """The p2p messages one step moves: each microbatch crosses every stage boundary whose two
     stages sit on different ranks, once forward and once backward."""

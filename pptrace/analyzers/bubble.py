@@ -28,8 +28,9 @@ import pandas as pd
 
 from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD, FWD_OPS, INTERLEAVED, LOSS, PP_SENDS,
                      SEND_FWD, ZB_H1, canonical, has_closed_form)
-from ..schedules.replay import PipelineTimes, action_programs, latency_free_ends, simulate
+from ..schedules.replay import PipelineTimes, action_programs, simulate
 from ..timeline.exchanges import on_gpu
+from ..timeline.programs import latency_free_ends
 from ..timeline.intervals import Intervals
 
 
@@ -251,7 +252,7 @@ def bubble_split(run, partitions: list, pairs: pd.DataFrame | None = None) -> di
     """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
 
     Per step, L is how much sooner the pipeline window would have ended with free p2p and no
-    host time between ops (``replay.latency_free_ends``: the step replayed in its measured
+    host time between ops (``timeline.programs.latency_free_ends``: the step replayed in its measured
     order with its measured pass times); every stage would idle L less. A rank already spends
     part of its idle time in its own transfers and host gaps, which are not bubble, so its
     bubble owes L minus that part to latency (clipped to [0, bubble]). The rest, the schedule

@@ -29,14 +29,13 @@ import numpy as np
 import pandas as pd
 
 from ..timeline import exchanges
+from ..timeline.programs import main_thread_work
 from ..sweeps import running_max
-from ..vocab import COMM_CATEGORIES
 
 SEGMENT_COLUMNS = ("rank", "stage", "phase", "start_ns", "end_ns", "dur_ns")
 #: A segment's phase: "<kind>:<op>" of work (COMPUTE_PREFIX: a pass), "<kind>" + TRANSFER_SUFFIX
 #: of a p2p exchange, OVERHEAD_PHASE for time in no unit. The summary adds them up by these.
 COMPUTE_PREFIX, TRANSFER_SUFFIX, OVERHEAD_PHASE = "compute:", ":transfer", "other"
-_UNIT_CATEGORIES = ("compute", "p2p", "wait", *COMM_CATEGORIES)
 _COLUMNS = ["rank", "step", "category", "kind", "op", "start_ns", "end_ns", "dur_ns"]
 
 
@@ -251,9 +250,7 @@ def _graph(rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> _Graph:
 
 
 def _main_rows(run) -> pd.DataFrame:
-    ev = run.events
-    keep = (ev["lane"] == "main").to_numpy() & ev["category"].isin(list(_UNIT_CATEGORIES)).to_numpy()
-    return ev.loc[keep, _COLUMNS]
+    return run.events.loc[main_thread_work(run.events), _COLUMNS]
 
 
 #: the columns of _windows' rows

@@ -32,12 +32,17 @@ class StepPartition:
         return self.end_ns - self.start_ns
 
 
+def untagged_p2p_rows(events: pd.DataFrame) -> np.ndarray:
+    """Mask of the host pipeline p2p ranges without a peer (Megatron's own names carry none)."""
+    return ((events["category"] == "p2p").to_numpy() & (events["lane_kind"] == "host").to_numpy()
+            & ~events["gpu_annotation"].to_numpy() & events["peer"].isna().to_numpy())
+
+
 def untagged_p2p(run: Run) -> dict:
-    """rank -> Intervals of pipeline p2p ranges without a peer (Megatron's own names carry
-    none): they cannot pair, so like unmatched ranges they count as pp_transfer."""
+    """rank -> Intervals of pipeline p2p ranges without a peer: they cannot pair, so like
+    unmatched ranges they count as pp_transfer."""
     ev = run.events
-    sel = ev[(ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
-             & ~ev["gpu_annotation"].to_numpy() & ev["peer"].isna().to_numpy()]
+    sel = ev[untagged_p2p_rows(ev)]
     if sel.empty:
         return {}
     start, end, _ = gpu_extent(ev, sel)

@@ -96,9 +96,7 @@ class Run:
         return tuple(int(r) for r in np.setdiff1d(wanted, np.asarray(self.ranks, dtype=np.int64)))
 
     def describe(self, rank: int) -> str:
-        if rank < self.layout.world_size:
-            return f"rank {rank} · {self.layout.describe(rank)}"
-        return f"rank {rank}"
+        return self.layout.label(rank)
 
     # -- what the traces' metadata says (contract 2) ----------------------------------------
     def _blocks(self) -> dict:

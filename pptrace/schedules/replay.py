@@ -7,8 +7,8 @@ from two places:
   (Megatron's combined ops: ``send_forward_recv_backward`` and the interleaved schedule's
   four-way exchange); ``simulate`` runs them with given durations (what-if, and the theory of
   schedules without a closed form);
-- a measured step: every rank's main thread as traced (``measured_programs``);
-  ``latency_free_ends`` runs them with free p2p to split the bubble (analyzers/bubble.py).
+- a measured step: every rank's main thread as traced (``pptrace.timeline.programs``), run
+  with free p2p to split the bubble (analyzers/bubble.py).
 
 Modelling the exchanges and not only the data dependencies matters: a combined op waits for
 *all* its directions, so a stage can be held by a message it does not need yet, and that is
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..vocab import ACTION_OPS, COMM_CATEGORIES, SCHEDULES
+from ..vocab import ACTION_OPS, SCHEDULES
 from .tables import Exchange, schedule_table, stage_steps
 
 
@@ -152,97 +152,6 @@ def action_programs(orders: list, placement: list[int], seconds: dict | None = N
                 prog += (send_fwd if op == "SF" else send_bwd)(s, stage, mb)
         progs.append(prog)
     return progs
-
-
-# ---------------------------------------------------------------------------------------
-# programs: a measured step, as its main threads ran it
-# ---------------------------------------------------------------------------------------
-# Ranges the main thread replays; a collective after the pipeline window is not among them
-# (its wait for the last stage is what the window ends on).
-_REPLAYED = ("compute", "p2p", "wait", *COMM_CATEGORIES)
-
-
-def measured_programs(events: pd.DataFrame, messages: dict, lo: int, hi: int) -> list[list[Op]]:
-    """Per rank of ``events`` (one step's main-thread ranges), the ops it ran inside [lo, hi]
-    in its measured order: each top-level range a "run" of its measured duration (ns; ranges
-    inside a pass are part of the pass), each matched pipeline p2p op a "post" where it
-    began and a "wait" where it ended. Ranges nested in an open p2p op (ZB-H1's W passes,
-    Megatron's overlap_p2p_comm) so run between posting and waiting, as they did.
-    ``messages``: event index -> the Msgs of its matched pairs (``_pair_messages``); an
-    unmatched op has nobody to wait for and is left out."""
-    inside = (events["start_ns"] >= lo).to_numpy() & (events["end_ns"] <= hi).to_numpy()
-    return [_measured_program(g, messages) for _, g in events[inside].groupby("rank", observed=True)]
-
-
-def _measured_program(ev: pd.DataFrame, messages: dict) -> list[Op]:
-    ev = ev.sort_values(["start_ns", "end_ns"], ascending=[True, False])  # stable: equal spans keep the trace's order
-    is_pp = ((ev["category"] == "p2p") & (ev["kind"] == "pp")).to_numpy() & ev.index.isin(list(messages))
-    start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
-    # top-level: begins at or after the end of every earlier range that is not a p2p op
-    reach = np.maximum.accumulate(np.where(is_pp, np.iinfo(np.int64).min, end))
-    top = ~is_pp & (start >= np.concatenate(([np.iinfo(np.int64).min], reach[:-1])))
-    post, run = np.flatnonzero(is_pp), np.flatnonzero(top)
-    # at one instant a range that ends there comes before one that begins there, except a
-    # range's own end, which follows its beginning
-    time = np.concatenate((start[post], end[post], start[run]))
-    klass = np.concatenate((np.ones(post.size, np.int64), np.where(end[post] > start[post], 0, 2),
-                            np.ones(run.size, np.int64)))
-    row = np.concatenate((post, post, run))
-    order = np.lexsort((row, klass, time))
-    kind = np.repeat([0, 1, 2], [post.size, post.size, run.size])[order].tolist()
-    row = row[order].tolist()
-    index, duration = ev.index.tolist(), (end - start).tolist()
-    return [Op("post", msgs=messages[index[i]], handle=index[i]) if k == 0
-            else Op("wait", handle=index[i]) if k == 1 else Op("run", duration=duration[i])
-            for k, i in zip(kind, row)]
-
-
-def _pair_messages(pairs: pd.DataFrame) -> dict:
-    """Event index -> the Msgs (one per matched pair it is a side of) it posts."""
-    out: dict = {}
-    tags = [pd.to_numeric(pairs[c], errors="coerce").fillna(-1).astype(np.int64).tolist()
-            for c in ("src", "dst", "mb", "chunk", "send_index", "recv_index")]
-    for pair, (direction, src, dst, mb, chunk, send, recv) in enumerate(zip(pairs["direction"].astype(str), *tags)):
-        for index, is_send in ((send, True), (recv, False)):
-            out[index] = out.get(index, ()) + (Msg(direction, is_send, src, dst, mb, chunk, pair),)
-    return out
-
-
-def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
-    """step -> the end of that step's pipeline window (ns, measured clock; ``windows``: step
-    -> (start, end)) had p2p been free and host gaps zero: the step's measured programs
-    replayed with their pass durations, zero latency and eager sends, every rank starting
-    at the window's start. Steps the replay cannot follow (a wait whose matched peer op is
-    never posted) are left out.
-
-    Free p2p is the schedule's pure data dependencies (the closed forms' model): a recv
-    completes the moment its matched send has been posted, and a send never holds its
-    sender. gloo's and NCCL's sends do wait for their recv to be posted, and a trainer that
-    waits on its sends (Megatron's combined ops) or whose integration closes a send's range
-    only when it next looks (torch's runtime schedules wait on sends at the end of the step)
-    shows that wait; it is owed to the transport's rendezvous, not to the order of the passes.
-
-    The replay keeps what the schedule and the measured pass times decide and drops what
-    latency and host gaps added, including their knock-on effects: a pass that started
-    before a late message arrived and then held it up (ZB-H1 places its W passes to fill the
-    bubble of a latency-free pipeline) starts where it would have without the latency. A
-    critical-path sum of transfers and gaps misses those."""
-    ev = run.events
-    steps = list(windows)
-    keep = ((ev["lane"] == "main").to_numpy() & ev["category"].isin(_REPLAYED).to_numpy()
-            & ev["step"].isin(steps).to_numpy())
-    messages = _pair_messages(pairs[pairs["step"].isin(steps).to_numpy()])
-    out = {}
-    for step, work in ev[keep].groupby("step", observed=True):
-        lo, hi = windows[int(step)]
-        # Durations in integer ns and clocks from 0 at the window's start: exact sums.
-        try:
-            rows = replay(measured_programs(work, messages, lo, hi), lambda op, stage: op.duration,
-                          lambda msg: 0, sends="eager")
-        except ValueError:
-            continue
-        out[int(step)] = lo + max((row[5] for row in rows), default=0)
-    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import pandas as pd
 from ..vocab import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, INTERLEAVED, LOSS, PASS_OPS, SCHEDULES, ZB_H1, canonical,
                      has_closed_form)
 from ..schedules.replay import PipelineTimes, Timeline, action_programs, simulate
+from ..timeline.programs import main_thread_work
 from .costs import eager_latencies, exchange_latencies, latency_of, overhead, post_cost
 from ..progress import WHATIF, phased
 
@@ -57,9 +58,8 @@ class Measured:
 
 
 def _main_events(run) -> pd.DataFrame:
-    ev = run.events
-    keep = (ev["lane"] == "main").to_numpy() & ev["step"].isin(run.steps).to_numpy()
-    return ev.loc[keep, ["rank", "step", "category", "kind", "op", "mb", "chunk", "start_ns", "end_ns", "dur_ns"]]
+    keep = main_thread_work(run.events, run.steps, categories=None)
+    return run.events.loc[keep, ["rank", "step", "category", "kind", "op", "mb", "chunk", "start_ns", "end_ns", "dur_ns"]]
 
 
 def _typical_steps(run, notes: list) -> pd.Series:

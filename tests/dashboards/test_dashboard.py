@@ -19,10 +19,9 @@ import pytest
 from dashboards.blocks import (
     HOVER_POINTS, HOVER_SPACING_PX, MAX_LABELS_IN_VIEW, fitting_labels, hover_points, polygon_rects, rect_polygon,
 )
-from dashboards.figures import (
-    esc, p2p_matrix_figure, partition_figure, straggler_figure,
-    timeline_figure, bubble_figure, comm_figure, collectives_figure, replay_figure,
-)
+from dashboards.figures import bubble_figure, collectives_figure, comm_figure, p2p_matrix_figure, partition_figure, straggler_figure
+from dashboards.pipeline_figures import replay_figure, timeline_figure
+from dashboards.style import esc
 from dashboards.page import render_html, write_dashboard
 from dashboards.timeline import build_timeline, decimate
 from pptrace.analyzers.partition import partition_run

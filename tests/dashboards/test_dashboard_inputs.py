@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dashboards.figures import PHASE_STYLE, collectives_figure, p2p_matrix_figure, straggler_figure
+from dashboards.figures import collectives_figure, p2p_matrix_figure, straggler_figure
+from dashboards.style import PHASE_STYLE
 from dashboards.page import PRINT_WIDTH_PX
 from dashboard_runs import synthetic_report
 from hostile import checksums, no_traceback, pptrace, stderr_lines
@@ -48,7 +49,7 @@ def figures_of(html: Path) -> dict:
 
 
 def is_placeholder(fig: dict) -> bool:
-    """A figure with nothing to draw: dashboards.figures._empty, an axis-less note."""
+    """A figure with nothing to draw: dashboards.style.empty_figure, an axis-less note."""
     return (fig["layout"].get("xaxis") or {}).get("visible") is False and not fig["data"]
 
 
@@ -216,7 +217,7 @@ def test_legend_order_is_fixed(run_copy, tmp_path):
 # item 20: printed, every figure is drawn and fits the paper (real headless Chromium)
 # ------------------------------------------------------------------------------------------
 @pytest.mark.browser
-def test_print_to_pdf_draws_every_figure(browser, run_copy, tmp_path):
+def test_print_to_pdf_draws_every_figure(browser, run_copy, tmp_path):  # noqa: F811 (the fixture imported above)
     (run_copy / "traces" / "rank2.json.gz").unlink()
     html = tmp_path / "page.html"
     figures = dashboard(run_copy, html)

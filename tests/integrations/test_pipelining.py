@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipelining_run import SCHEDULES, load_truth, run
-from truth_checks import (assert_inside, check_dashboard, check_whatif_replay, compute_brackets, idle_brackets,
+from truth_checks import (assert_inside, orders_that_ran, check_dashboard, check_whatif_replay, compute_brackets, idle_brackets,
                           loss_calls, passes, passes_and_own_work, sends_per_step, sleeps, truth_step)
 
 #: the last stage's loss sleeps 10 ms after each forward (torchtitan's loss wrapper runs the
@@ -114,24 +114,6 @@ def test_every_send_pairs_with_its_recv(measured):
     assert not [w for w in measured.report["warnings"] if "unmatched" in w or "unpaired" in w]
 
 
-def _truth_orders(m: Measured) -> tuple[list, list]:
-    """(per pipeline position its action order, global stage -> position) from the truth: the
-    order torch's runtime schedules run, send posts included (``pipeline_order_with_comms``);
-    for GPipe / 1F1B, which post each send right after its pass, ``pipeline_order``, or the
-    order the step ran where torch 2.13 gets that wrong (1F1B's last stage)."""
-    by_pos = {t["pp_rank"]: t for t in m.truth.values()}
-    placement = [by_pos[0]["pp_ranks"].index(r) for r in by_pos[0]["stage_ranks"]]
-    orders = []
-    for pos in range(len(by_pos)):
-        t = by_pos[pos]
-        order = t["pipeline_order_with_comms"]
-        if order is None:
-            executed = [[a["op"], a["stage"], a["mb"]] for a in truth_step(t, PROFILED[0])["actions"]]
-            order = t["pipeline_order"] if sorted(t["pipeline_order"]) == sorted(executed) else executed
-        orders.append([tuple(a) for a in order])
-    return orders, placement
-
-
 def _traced_passes(m: Measured, step: int) -> dict:
     """(rank, action, mb, chunk) -> seconds: each pass of ``step`` as pptrace's range timed it,
     a forward of the last stage with its loss range (compute:loss) added."""
@@ -171,7 +153,7 @@ def _truth_replay(m: Measured, step: int | None = None, timing: str = "harness")
 
     from pptrace.schedules.replay import PipelineTimes, action_programs, simulate
 
-    orders, placement = _truth_orders(m)
+    orders, placement = orders_that_ran(m.truth, PROFILED[0])
     p = len(orders)
     steps = [step] if step is not None else PROFILED
     if timing == "traced":
