@@ -7,15 +7,14 @@ inside the pipeline window.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from pptrace.topology import Layout
 from pptrace.vocab import PARTS
+from tracegen import RankTrace
 
-BASE_NS = 1_700_000_000_000_000_000
 STEP_LEAD_US = 100.0  # the ProfilerStep starts this long before the first forward
 HOSTILE_F = "compute:fwd mb=1 note=<img/src=x/onerror=alert(1)>"
 HOSTILE_SEND = "pp:send_fwd peer=1 mb=0 bytes=64 x=</script><script>alert(2)</script>"
@@ -52,21 +51,11 @@ def gpipe_events(p: int, m: int, tf: float, tb: float, g: float, *, hostile: boo
 def write_gpipe_run(root: Path, p=4, m=4, tf=1000.0, tb=2000.0, g=50.0, hostile=False) -> Path:
     """Write the GPipe step as traces/rank{r}.json the way pptrace.profile does."""
     layout = Layout(tp=1, cp=1, pp=p, dp=1)
-    (root / "traces").mkdir(parents=True, exist_ok=True)
     for rank, ranges in gpipe_events(p, m, tf, tb, g, hostile=hostile).items():
-        pid = 1000 + rank
-        events = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": pid, "args": {"name": "python"}}]
-        events += [{"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": pid,
-                    "ts": 5_000_000.0 + start, "dur": dur, "args": {}}
-                   for name, start, dur in sorted(ranges, key=lambda r: r[1])]
-        doc = {
-            "schemaVersion": 1, "baseTimeNanoseconds": BASE_NS,
-            "pptrace": {"version": 1, "rank": rank, "world_size": p, "layout": layout.to_dict(),
-                        "coords": layout.coords(rank)._asdict(), "schedule": "gpipe",
-                        "microbatches": m, "vpp": 1, "steps": [1], "hostname": "synthetic"},
-            "traceEvents": events,
-        }
-        (root / "traces" / f"rank{rank}.json").write_text(json.dumps(doc))
+        trace = RankTrace(rank, p, layout, schedule="gpipe", microbatches=m, vpp=1, steps=[1], distributed=False)
+        for name, start, dur in sorted(ranges, key=lambda r: r[1]):
+            trace.add(name, start, dur)
+        trace.write(root / "traces" / f"rank{rank}.json")
     return root
 
 

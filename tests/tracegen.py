@@ -12,7 +12,9 @@ would, so alignment can be tested against the skew you chose.
     write_run(tmp_path, [t0, t1])                         # tmp_path/traces/rank{r}.json.gz
 
 ``pipeline_run`` builds a whole GPipe run (every send paired with a recv, a grad-norm
-all-reduce over all ranks per step) and returns its ground truth.
+all-reduce over all ranks per step) and returns its ground truth; ``trace_doc`` writes one
+rank's hand-timed ranges (µs from the origin) as a document, ``run_from_docs`` loads them.
+One builder, one time base: every synthetic trace of the suite is a RankTrace.
 """
 from __future__ import annotations
 
@@ -205,28 +207,23 @@ def pipeline_run(out_dir, *, pp: int = 2, dp: int = 1, microbatches: int = 4, st
 
 
 # -------------------------------------------------------------------------------------------
-# whole trace documents written by hand (times in µs from baseTimeNanoseconds)
+# whole trace documents of hand-timed ranges (µs from the run's origin, no skew)
 # -------------------------------------------------------------------------------------------
-BASE_NS = 1_700_000_000_000_000_000
 US = 1000  # ns
 
 
 def trace_doc(rank: int, world: int, ranges: list, workers: list = (), layout: Layout | None = None) -> dict:
-    """One rank's Chrome trace document, written out whole. ranges: (name, start_us, end_us) on the main thread; workers: the same on a gloo
-    worker thread. ts are relative µs with baseTimeNanoseconds, as Kineto writes them."""
-    pid, worker_tid = 1000 + rank, 5000 + rank
-    events = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": worker_tid,
-               "args": {"name": f"thread {worker_tid} (pt_gloo_runloop)"}}]
-    for tid, items in ((pid, ranges), (worker_tid, workers)):
+    """One rank's Chrome trace document, a :class:`RankTrace` on the run's clock: ranges are
+    (name, start_us, end_us) on the main thread; workers the same on a gloo worker thread.
+    ``c10d::`` ops are CPU ops, the rest user annotations; a pptrace block only with a layout
+    (without one the trace is a plain torch.profiler trace)."""
+    trace = RankTrace(rank, world, layout, pptrace_block=layout is not None, schedule=None, base_ns=ORIGIN_NS)
+    worker = 5000 + rank
+    trace.thread(worker, "pt_gloo_runloop")
+    for tid, items in ((None, ranges), (worker, workers)):
         for name, start, end in items:
-            cat = "cpu_op" if name.startswith("c10d::") else "user_annotation"
-            events.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid,
-                           "ts": start, "dur": end - start, "args": {}})
-    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": world},
-           "baseTimeNanoseconds": BASE_NS, "traceEvents": events}
-    if layout is not None:
-        doc["pptrace"] = {"version": 1, "rank": rank, "world_size": world, "layout": layout.to_dict()}
-    return doc
+            trace.add(name, start, end - start, cat="cpu_op" if name.startswith("c10d::") else "user_annotation", tid=tid)
+    return trace.to_dict()
 
 
 def run_from_docs(tmp_path, traces: dict, layout: Layout, **kwargs) -> Run:

@@ -18,7 +18,7 @@ from pptrace.run.model import Run
 from pptrace.timeline.windows import (gpu_step_windows, host_step_windows, pipeline_windows, profiled_steps,
                                       step_windows)
 from pptrace.topology import Layout
-from tracegen import BASE_NS, US, RankTrace
+from tracegen import ORIGIN_NS, US, RankTrace
 
 LAYOUT = Layout(pp=2)
 
@@ -179,9 +179,9 @@ def test_pipeline_window_of_the_hand_built_pipeline(scenario_run):
     # tracegen.STAGE0/STAGE1: the first pipeline op is stage 1's recv_fwd at 5 µs, the last
     # stage 0's bwd mb=1 ending at 212; the all-reduce and the optimizer after it are not
     # pipeline work, and the ProfilerStep [0, 260) is not the window
-    assert pipeline_windows(scenario_run.events, 2) == {1: (BASE_NS + 5 * US, BASE_NS + 212 * US)}
-    assert scenario_run.pipeline_windows == {1: (BASE_NS + 5 * US, BASE_NS + 212 * US)}
-    assert scenario_run.step_windows == {(0, 1): (BASE_NS, BASE_NS + 260 * US), (1, 1): (BASE_NS, BASE_NS + 260 * US)}
+    assert pipeline_windows(scenario_run.events, 2) == {1: (ORIGIN_NS + 5 * US, ORIGIN_NS + 212 * US)}
+    assert scenario_run.pipeline_windows == {1: (ORIGIN_NS + 5 * US, ORIGIN_NS + 212 * US)}
+    assert scenario_run.step_windows == {(0, 1): (ORIGIN_NS, ORIGIN_NS + 260 * US), (1, 1): (ORIGIN_NS, ORIGIN_NS + 260 * US)}
 
 
 def test_no_pipeline_no_window(scenario_run):
