@@ -213,7 +213,11 @@ def replay_figure(report: dict, whatif_result: dict | None, *, why_none: str | N
         first_rank.setdefault(r["stage"], r["rank"])
     measured = [r for r in rows if r["step"] == step and r["rank"] == first_rank[r["stage"]]]
     cols = sim["columns"]
-    simulated = [row for row in (dict(zip(cols, r)) for r in sim["rows"]) if row["kind"] in PASS_PHASES]
+    # an input-grad pass (torch's runtime schedules replay "I") is drawn as the backward it is,
+    # as the measured lanes draw it (PIPELINE_PHASES)
+    simulated = [{**row, "kind": "B" if row["kind"] == "I" else row["kind"]}
+                 for row in (dict(zip(cols, r)) for r in sim["rows"])]
+    simulated = [row for row in simulated if row["kind"] in PASS_PHASES]
     # The replay has every stage; the measurement only those whose ranks were loaded (a rank
     # missing, filtered out, unreadable): each stage keeps both lanes, an untraced one empty.
     stages = sorted(set(first_rank) | {int(r["stage"]) for r in simulated})

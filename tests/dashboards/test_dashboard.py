@@ -320,6 +320,26 @@ def test_replay_figure_puts_measured_and_replayed_passes_side_by_side(gpipe_run)
     assert f"{result['measured']['step_time_s'] * 1e3:.1f} ms measured" in fig.layout.title.text
 
 
+def test_replay_figure_draws_a_replayed_input_grad_pass_as_a_backward(gpipe_run):
+    """torch's runtime schedules replay input-grad passes ("I"); the replayed lane draws them in
+    the backward's style, as the measured lane draws a measured one, not leaves them out."""
+    import copy
+
+    from pptrace.whatif.predict import whatif
+
+    report, result = build_report(gpipe_run), copy.deepcopy(whatif(gpipe_run))
+    timeline = result["predicted"]["timeline"]
+    kind = timeline["columns"].index("kind")
+    timeline["rows"] = [[*r[:kind], "I" if r[kind] == "B" else r[kind], *r[kind + 1:]] for r in timeline["rows"]]
+    fig = replay_figure(report, result)
+    backward = Counter()
+    for trace in fig.data:
+        if not trace.meta["phase"].endswith(":hover") and trace.name.split()[0] == "backward":
+            backward.update(int(round(y)) for _, _, y in polygon_rects(trace.x, trace.y))
+    m, p = report["run"]["microbatches"], gpipe_run.layout.pp
+    assert backward == Counter({y: m for y in range(2 * p)})
+
+
 def _grey_per_rank_step_us(fig, tl) -> Counter:
     """(rank, step) -> µs of grey the timeline figure draws: the rectangles of each step's
     idle polygon, each on the lane its centre lies in."""
