@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -164,10 +166,9 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Layout":
-        try:
-            return cls(**{k: data[k] for k in (*LAYOUT_DIMS, "order", "ep") if k in data})
-        except TypeError as exc:  # non-mapping input
-            raise ValueError(f"not a layout: {data!r}") from exc
+        if not isinstance(data, Mapping):
+            raise ValueError(f"not a layout: {data!r}")
+        return cls(**{k: data[k] for k in (*LAYOUT_DIMS, "order", "ep") if k in data})
 
     def describe(self, rank: int) -> str:
         c = self.coords(rank)

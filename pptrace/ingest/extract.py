@@ -11,7 +11,9 @@ from operator import attrgetter
 
 import msgspec
 import numpy as np
+import pandas as pd
 
+from ..sweeps import running_max
 from .p2p_args import p2p_positions, raw_value, p2p_args
 from .schema import RawArgs, RawEvent
 
@@ -194,3 +196,58 @@ def _name_thread(threads: dict, tid, name) -> None:
     # Kineto may name one tid twice ("python", then the real worker name).
     if label and (label != "python" or tid not in threads):
         threads[tid] = label
+
+
+# ---------------------------------------------------------------------------------------
+# duration events: a range written as a begin ("B") and an end ("E") event
+# ---------------------------------------------------------------------------------------
+#: B/E events in a slice's bytes (most traces have none: a byte search, then no per-event pass)
+_BEGIN_END = re.compile(rb'"ph"\s*:\s*"[BE]"')
+_BE = ("B", "E")
+
+
+def duration_events(events: list, blob: bytes | None) -> list:
+    """The B and E events of one slice, as (ph, pid, tid, ts, name, cat, args) tuples."""
+    if blob is not None and not _BEGIN_END.search(blob):
+        return []
+    if events and type(events[0]) is RawEvent:
+        unset = msgspec.UNSET
+        return [(e.ph, e.pid, e.tid, None if e.ts is unset else e.ts, e.name, e.cat, {})
+                for e in events if e.ph in _BE]
+    return [(e.get("ph"), e.get("pid"), e.get("tid"), e.get("ts"), e.get("name"), e.get("cat"),
+             e.get("args") if type(e.get("args")) is dict else {})
+            for e in events if type(e) is dict and e.get("ph") in _BE]
+
+
+def complete_events(found: list) -> tuple[list, int]:
+    """B/E events (``duration_events`` of every slice, in file order) paired into X event dicts
+    the way a trace viewer nests them: per thread, each E closes the innermost open B (ties
+    at one time in file order). -> (the X events, how many B or E had no partner)."""
+    ok = [type(p) is int and type(t) is int and type(s) in (int, float) for _, p, t, s, *_ in found]
+    rows = [f for f, good in zip(found, ok) if good]
+    if not rows:
+        return [], len(found)
+    ph, pid, tid, ts = (np.array(c) for c in list(zip(*rows))[:4])
+    lane = pd.factorize(pd.MultiIndex.from_arrays([pid, tid]))[0]
+    order = np.lexsort((np.arange(len(rows)), ts.astype(float), lane))
+    lane_o, begin = lane[order], ph[order] == "B"
+    step = np.where(begin, 1, -1)
+    walk = np.cumsum(step)
+    first = np.r_[True, lane_o[1:] != lane_o[:-1]]
+    walk -= np.repeat(walk[first] - step[first], np.diff(np.r_[np.flatnonzero(first), len(order)]))
+    # the depth of open ranges, an E that closes none not counted: the walk less the lowest
+    # point it reached below 0 (a walk reflected at 0)
+    depth = walk - np.minimum(0, -running_max(lane_o, -walk))
+    before = np.where(first, 0, np.r_[0, depth[:-1]])
+    # a B opens level depth, an E closes level depth + 1 (level 0: it closed none)
+    level = np.where(begin, depth, before)
+    by_level = np.lexsort((np.arange(len(order)), level, lane_o))
+    pos = order[by_level]
+    same = (lane_o[by_level][:-1] == lane_o[by_level][1:]) & (level[by_level][:-1] == level[by_level][1:])
+    pairs = np.flatnonzero(same & begin[by_level][:-1] & ~begin[by_level][1:] & (level[by_level][:-1] > 0))
+    out = []
+    for b, e in zip(pos[pairs].tolist(), pos[pairs + 1].tolist()):
+        _, p, t, start, name, cat, args = rows[b]
+        out.append({"ph": "X", "name": name if name is not None else rows[e][4], "cat": cat, "pid": p, "tid": t,
+                    "ts": start, "dur": rows[e][3] - start, "args": {**rows[e][6], **args}})
+    return out, len(found) - 2 * len(out)

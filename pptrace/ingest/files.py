@@ -29,11 +29,20 @@ def _not_regular(path, mode: int) -> TraceError:
     )
 
 
+def shown(path) -> str:
+    """``path`` as text that every output can hold: the bytes of a name that is not UTF-8
+    (which Python keeps as lone surrogates) written out, ``rank1\\xff.json``."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+
+
 def open_trace(path):
     """(binary file object, its os.stat_result) of a trace, refusing anything but a regular
     file (or a symlink to one): a FIFO named rank2.json would block the read forever, a
     device never ends. The stat is the opened file's, so it describes the bytes read even
-    if the path is replaced meanwhile."""
+    if the path is replaced meanwhile. A name that is not UTF-8 is refused too: it could be
+    read, but no report, cache entry or warning could name it."""
+    if shown(path) != str(path):
+        raise TraceError(f"{shown(path)}: the file name is not UTF-8 text; rename it to analyse this trace")
     try:
         # stat first: merely opening some devices has effects; O_NONBLOCK: a FIFO swapped in
         # between the two calls opens at once (and is refused below) instead of blocking.

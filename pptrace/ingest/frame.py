@@ -7,11 +7,13 @@ finished table.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
 from .compact import foldable_names, nested_cpu_ops
-from .extract import dur_to_ns, extract_dicts, extract_structs, ts_to_ns
+from .extract import complete_events, dur_to_ns, duration_events, extract_dicts, extract_structs, ts_to_ns
 from .nccl import infer_nccl_p2p, link_nccl_kernels
 from .p2p_args import add_p2p_args
 from .schema import COLUMNS, GPU_CATS, NULLABLE_INT_COLUMNS, TAG_COLUMNS, RawEvent, classify, profiler_step_number
@@ -113,9 +115,24 @@ class _Codes:
             remap[i] = -1 if u is None else lookup.setdefault(u, len(lookup))
         return remap[codes]
 
-    def categorical(self, pieces: list) -> pd.Categorical:
+    def categorical(self, pieces: list) -> tuple[pd.Categorical, int]:
+        """The column, and how many of its distinct values held a lone surrogate escape
+        (JSON's ``\\ud800`` alone: no UTF-8 text can hold it, so Arrow and every output
+        would fail on it), written as U+FFFD."""
         codes = _join(pieces, np.int32)
-        return pd.Categorical.from_codes(codes, categories=pd.Index(list(self.lookup), dtype=object))
+        values = list(self.lookup)
+        bad = [i for i, v in enumerate(values) if _SURROGATE.search(v)]
+        if not bad:
+            return pd.Categorical.from_codes(codes, categories=pd.Index(values, dtype=object)), 0
+        for i in bad:
+            values[i] = _SURROGATE.sub("\ufffd", values[i])
+        # two names may now be one (first use keeps the order)
+        inverse, first = pd.factorize(np.array(values, dtype=object))
+        return (pd.Categorical.from_codes(np.where(codes < 0, -1, inverse[codes]), categories=pd.Index(first, dtype=object)),
+                len(bad))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _int64(values: list) -> np.ndarray:
@@ -123,6 +140,22 @@ def _int64(values: list) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
     except OverflowError:
         return np.asarray([v if -(2**63) <= v < 2**63 else -1 for v in values], dtype=np.int64)
+
+
+def _with_complete_events(slices, path, warnings: list):
+    """The slices, then one more of the ranges written as B/E event pairs (legal Chrome trace
+    format, which some exporters write), paired into complete events: a pair may span slices,
+    so they are paired once all are read."""
+    found: list = []
+    for events, blob in slices:
+        found += duration_events(events, blob)
+        yield events, blob
+    if found:
+        complete, alone = complete_events(found)
+        if alone:
+            warnings.append(f"{path}: {alone} begin/end (B/E) events without their other half left out")
+        if complete:
+            yield complete, None
 
 
 def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: bool = True):
@@ -137,7 +170,7 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
     rpc, threads, p2p = {}, {}, {}
     foreign = 0
     n_before = 0
-    for events, blob in slices:
+    for events, blob in _with_complete_events(slices, path, warnings):
         typed = bool(events) and type(events[0]) is RawEvent
         extract = extract_structs if typed else extract_dicts
         cols: dict = {}
@@ -165,11 +198,16 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
     dur = _join(parts.pop("dur"), np.int64)
     why = _join(parts.pop("why"), np.int8)
     _mark_absurd(start, dur, why)
+    name_column, bad_names = names.categorical(parts.pop("name"))
+    cat_column, bad_cats = cats.categorical(parts.pop("cat"))
+    if bad_names + bad_cats:
+        warnings.append(f"{path}: {bad_names + bad_cats} event names or categories hold a lone surrogate "
+                        "escape (\\ud800 ...: no text can hold one); shown as U+FFFD")
     df = pd.DataFrame({
         "rank": np.full(n, rank, dtype=np.int32),
         "pid": _join(parts.pop("pid"), np.int64), "tid": _join(parts.pop("tid"), np.int64),
-        "name": names.categorical(parts.pop("name")),
-        "cat": cats.categorical(parts.pop("cat")),
+        "name": name_column,
+        "cat": cat_column,
         "start_ns": start, "end_ns": start + dur, "dur_ns": dur,
     }, copy=False)
     del start, dur

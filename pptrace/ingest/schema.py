@@ -84,7 +84,8 @@ from ..vocab import COMM_CATEGORIES, COMM_DIMS
 # 5: events with an impossible ts or dur dropped and counted (frame.py), not clamped
 # 6: the compact table: nested plain CPU ops folded (compact.py)
 # 7: exact copies of an event (a trace concatenated twice) dropped and counted (frame.py)
-SCHEMA_VERSION = 7
+# 8: B/E duration events paired into complete ones; lone surrogate escapes in names as U+FFFD
+SCHEMA_VERSION = 8
 
 CATEGORIES = (
     "compute", *COMM_CATEGORIES, "p2p", "wait", "step",

@@ -91,15 +91,19 @@ def assign_ranks(found, warnings):
 
 def layout_of(by_rank, layout, warnings):
     blocks = {r: h.get("pptrace") for r, (_, h) in by_rank.items() if h.get("pptrace")}
-    layouts = {}
+    layouts, claims = {}, {}
     for rank, block in blocks.items():
-        key = (tuple(sorted((block.get("layout") or {}).items())), block.get("world_size"))
-        layouts.setdefault(key, []).append(rank)
+        try:
+            claims[rank] = Layout.from_dict(block.get("layout") or {})
+        except ValueError as exc:  # a corrupt claim, not another run's: judged without it
+            warnings.append(f"{by_rank[rank][0]}: the pptrace block has a bad layout ({exc}); not believed")
+            continue
+        layouts.setdefault((claims[rank], repr(block.get("world_size"))), []).append(rank)
     if len(layouts) > 1:
         (k1, r1), (k2, r2) = list(layouts.items())[:2]
         raise TraceError(
-            f"traces from different runs: ranks {r1[:4]} say layout {dict(k1[0])} world "
-            f"{k1[1]}, ranks {r2[:4]} say {dict(k2[0])} world {k2[1]}; keep one run per directory"
+            f"traces from different runs: ranks {r1[:4]} say layout {k1[0].to_dict()} world "
+            f"{k1[1]}, ranks {r2[:4]} say {k2[0].to_dict()} world {k2[1]}; keep one run per directory"
         )
     worlds = {h["distributedInfo"].get("world_size") for _, h in by_rank.values() if h.get("distributedInfo")}
     worlds.discard(None)
@@ -110,13 +114,8 @@ def layout_of(by_rank, layout, warnings):
         )
     if layout is not None:
         return layout, None
-    block = next(iter(blocks.values()), None)
-    claimed = None
-    if block is not None:
-        try:
-            claimed = Layout.from_dict(block.get("layout") or {})
-        except ValueError as exc:
-            warnings.append(f"pptrace block has a bad layout ({exc}); assuming data parallel only")
+    rank = next(iter(claims), None)
+    block, claimed = (blocks[rank], claims[rank]) if rank is not None else (next(iter(blocks.values()), None), None)
     # how the layout came about, as the warning of a contradiction (_check_layout) says it
     said = "the pptrace block says layout {}" if claimed is not None else "with no layout in the traces, {} was assumed"
     return _believed_layout(claimed, block, worlds, by_rank, warnings), said
