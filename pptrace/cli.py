@@ -29,6 +29,12 @@ from .vocab import SCHEDULES
 prefer_system_arrow_pool()  # before anything imports pyarrow: see ingest/memory.py
 
 
+#: What the output writes beyond ASCII, for a stream that cannot hold it
+_ASCII_PUNCTUATION = str.maketrans({"\u2014": "-", "\u2013": "-", "\u00b7": "-", "\u00b5": "u", "\u2026": "...",
+                                    "\u2192": "->", "\u2190": "<-", "\u00d7": "x", "\u2265": ">=", "\u2264": "<=",
+                                    "\u00b1": "+/-", "\u2248": "~", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+
+
 class _StdoutGuard:
     """``sys.stdout`` while a command runs: it marks an OSError raised by writing to standard
     output (a closed pipe, a full disk behind ``>``), which the command then reports as that,
@@ -45,7 +51,13 @@ class _StdoutGuard:
             raise
 
     def write(self, text):
-        return self._marked(self._stream.write, text)
+        try:
+            return self._marked(self._stream.write, text)
+        except UnicodeEncodeError:  # a stream that holds no such text (PYTHONIOENCODING=ascii)
+            encoding = getattr(self._stream, "encoding", None) or "ascii"
+            plain = text.translate(_ASCII_PUNCTUATION).encode(encoding, "replace").decode(encoding)
+            return self._marked(self._stream.write, plain)
+
 
     def flush(self):
         return self._marked(self._stream.flush)
@@ -163,6 +175,8 @@ def _int_list(text: str | None, option: str = "--ranks", limit: int = MAX_LISTED
 #: Width of output that reaches no terminal (logs, CI) when COLUMNS does not say: rich's own
 #: 80 would fold the tables into many parts; the tables fit any width without cutting a value.
 PIPE_WIDTH = 160
+#: Narrower than this, no line of output reads (COLUMNS=1 printed a character a line)
+MIN_WIDTH = 40
 
 
 def _width(stream) -> int:
@@ -170,11 +184,11 @@ def _width(stream) -> int:
     analyze RUN | less`` reads on that terminal); else PIPE_WIDTH."""
     columns = os.environ.get("COLUMNS", "").strip()
     if columns.isdigit() and int(columns) > 0:
-        return int(columns)
+        return max(int(columns), MIN_WIDTH)
     for candidate in (stream, sys.stdout, sys.stderr):
         try:
             if candidate.isatty() and os.get_terminal_size(candidate.fileno()).columns > 0:
-                return os.get_terminal_size(candidate.fileno()).columns
+                return max(os.get_terminal_size(candidate.fileno()).columns, MIN_WIDTH)
         except (AttributeError, OSError, ValueError):  # closed, replaced or sizeless streams
             continue
     return PIPE_WIDTH

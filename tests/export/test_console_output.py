@@ -280,3 +280,26 @@ def test_18_progress_on_a_terminal_leaves_stdout_clean(wide_run, tmp_path):
         assert label in err, (label, err[-2000:])
     assert "\x1b" not in out
     assert out == pptrace("analyze", wide_run).stdout
+
+
+def test_issue25_11_a_console_too_narrow_still_prints_lines_that_read(wide_run, wide_report):
+    """COLUMNS=1 printed one character a line: the width is at least pptrace.cli.MIN_WIDTH (40),
+    and every value is still there, never cut."""
+    r = pptrace("analyze", wide_run, env={"COLUMNS": "1"})
+    no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    _assert_fits(r.stdout, 40)
+    assert max(map(cell_len, r.stdout.splitlines())) > 20
+    assert _ms(wide_report["ranks"][0]["mean"]["time_s"]) in _tokens(r.stdout)
+
+
+def test_issue25_11_a_stream_that_holds_only_ascii_gets_ascii(wide_run):
+    """PYTHONIOENCODING=ascii failed the whole command on an em dash: its punctuation falls back
+    to ASCII (and rich draws ASCII boxes), the same numbers printed."""
+    utf8 = pptrace("analyze", wide_run)
+    ascii_ = pptrace("analyze", wide_run, env={"PYTHONIOENCODING": "ascii"})
+    no_traceback(ascii_)
+    assert ascii_.returncode == 0, ascii_.stderr
+    assert ascii_.stdout.isascii() and "?" not in ascii_.stdout
+    numbers = re.compile(r"\d+\.\d+%?")
+    assert numbers.findall(ascii_.stdout) == numbers.findall(utf8.stdout)
