@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 
 from ..errors import TraceError
-from .files import GZIP_MAGIC, gunzip, inflated_pieces, open_trace, size_limit
+from .files import GZIP_MAGIC, TruncatedGzip, gunzip, inflated_pieces, open_trace, size_limit
 from .schema import RawEvent
 from .store import lookup, probe_of
 
@@ -73,6 +73,11 @@ def read_trace(path: Path):
     if data[:2] == GZIP_MAGIC:
         try:
             data = _gunzip(data, path)
+        except TruncatedGzip as exc:  # what inflated is salvaged as a truncated .json is
+            if not exc.data.strip():
+                raise TraceError(f"{path}: truncated gzip with nothing inflated before the cut; re-copy the file "
+                                 "or re-run the profiler") from None
+            data = exc.data
         except (OSError, EOFError, zlib.error) as exc:
             raise TraceError(
                 f"{path}: corrupt or truncated gzip ({exc}); re-copy the file or re-run the profiler"
@@ -257,6 +262,11 @@ def _parse_slices(data: bytes, start: int, end: int, path: Path, warnings: list,
         yield _decode_slice(decoder, blob, path, warnings), blob
 
 
+#: What the warning of a salvaged trace says (load.py skips a rank the cut left without a
+#: whole step: its steps' marks, Kineto writes them last, or every step interrupted)
+TRUNCATED = "truncated trace (the rank died while writing it?)"
+
+
 def _salvage_truncated(data: bytes, start: int, path: Path, warnings: list):
     """Events before the cut of a trace whose writer died mid-file."""
     body = data[start:]
@@ -269,12 +279,31 @@ def _salvage_truncated(data: bytes, start: int, path: Path, warnings: list):
             except orjson.JSONDecodeError:
                 cut = body.rfind(sep, 0, cut)
                 continue
-            warnings.append(
-                f"{path}: truncated trace (the rank died while writing it?); using the "
-                f"{len(events)} events before the cut"
-            )
+            warnings.append(f"{path}: {TRUNCATED}; using the {len(events)} events before the cut")
+            _drop_interrupted_steps(events, path, warnings)
             return [(events, blob)]
     return None
+
+
+def _drop_interrupted_steps(events: list, path: Path, warnings: list) -> None:
+    """A step the cut lands in lost what came after the cut: analysed, it would read as a
+    step of little compute and much idle. Its ProfilerStep mark (and any later one) ends past
+    the last event kept, so it is made an instant event: the step is no step of this rank,
+    its events outside every step, and the text of each event stays where it was (the slice's
+    bytes are read again for exact times, one ts per event)."""
+    def number(value):
+        return value if type(value) in (int, float) else None
+
+    last = max((t for t in (number(e.get("ts")) for e in events if type(e) is dict) if t is not None), default=None)
+    marks = [e for e in events if type(e) is dict and e.get("ph") == "X"
+             and str(e.get("name", "")).startswith("ProfilerStep#")
+             and number(e.get("ts")) is not None and number(e.get("dur")) is not None]
+    cut = [e for e in marks if last is not None and e["ts"] + e["dur"] > last]
+    for e in cut:
+        e["ph"] = "i"
+    if cut:
+        names = ", ".join(sorted({str(e["name"]).removeprefix("ProfilerStep#") for e in cut}, key=lambda s: (len(s), s)))
+        warnings.append(f"{path}: the cut lands in step {names}: left out for this rank (what it ran after the cut is lost)")
 
 
 def parse_document(path, data: bytes | None = None, whole: bool = False, typed: bool = True):

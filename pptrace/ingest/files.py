@@ -229,28 +229,45 @@ def inflated_pieces(pieces, path, compressed: int):
         raise EOFError("Compressed file ended before the end-of-stream marker was reached")
 
 
+class TruncatedGzip(EOFError):
+    """A .gz that ends inside its last member (a rank that died while writing): ``data`` is
+    what inflated before the end, to be salvaged like a truncated .json."""
+
+    def __init__(self, data: bytes):
+        super().__init__("Compressed file ended before the end-of-stream marker was reached")
+        self.data = data
+
+
 def gunzip(raw: bytes, path) -> bytes:
     """The inflated bytes of the .gz ``raw`` read from ``path`` (TraceError past
-    :func:`inflate_limit`; see :func:`inflated_pieces`). Gathered in one BytesIO, whose
-    getvalue() hands its buffer over: ~1x the trace at the peak (joined pieces take 2x).
-    Kept only up to the trailer's length (a lying trailer's, a truncated file's garbage, or
-    the last of several members'): past it, or when it is past the limit, they are only
-    counted, and inflated again if within the limit, so a bomb never fills memory."""
+    :func:`inflate_limit`; see :func:`inflated_pieces`; TruncatedGzip, holding what inflated,
+    when it ends inside a member). Gathered in one BytesIO, whose getvalue() hands its buffer
+    over: ~1x the trace at the peak (joined pieces take 2x). Kept only up to the trailer's
+    length (a lying trailer's, a truncated file's garbage, or the last of several members'):
+    past it, or when it is past the limit, they are only counted, and inflated again if
+    within the limit, so a bomb never fills memory."""
     claimed = gzip_trailer(raw[-8:])[1] if len(raw) >= GZIP_MIN_BYTES else 0
 
     def pieces():
         return (raw[i:i + _IN_PIECE] for i in range(0, len(raw), _IN_PIECE))
 
     kept = io.BytesIO() if claimed <= inflate_limit(path, len(raw))[0] else None
-    for out in inflated_pieces(pieces(), path, len(raw)):
-        if kept is not None and kept.tell() + len(out) > claimed:
-            kept = None
-        elif kept is not None:
-            kept.write(out)
+    try:
+        for out in inflated_pieces(pieces(), path, len(raw)):
+            if kept is not None and kept.tell() + len(out) > claimed:
+                kept = None
+            elif kept is not None:
+                kept.write(out)
+    except EOFError:
+        if kept is not None:
+            raise TruncatedGzip(kept.getvalue()) from None
     if kept is None:
         kept = io.BytesIO()
-        for out in inflated_pieces(pieces(), path, len(raw)):
-            kept.write(out)
+        try:
+            for out in inflated_pieces(pieces(), path, len(raw)):
+                kept.write(out)
+        except EOFError:
+            raise TruncatedGzip(kept.getvalue()) from None
     return kept.getvalue()
 
 

@@ -14,7 +14,7 @@ from ..ingest import comm_kernels as comm_kernels_mod, memory
 from .claims import is_count, shape
 from ..errors import TraceError
 from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
-from ..ingest.document import rank_of, read_header
+from ..ingest.document import TRUNCATED, rank_of, read_header
 from ..ingest.files import find_trace_files, group_by_reason
 from ..ingest.load import assemble, load_ranks
 from ..topology import Layout
@@ -246,13 +246,18 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     order = sorted(by_rank)
     results, errors = load_ranks([(by_rank[r][0], r) for r in order], use_cache=use_cache,
                                  progress=progress, workers=workers, compact=compact, scheduler=scheduler)
-    warnings += group_by_reason([f"skipped: {e}" for e in errors], "skipped: ")
     tables, metas = [], {}
     for rank, result in zip(order, results):
-        if result is not None:
+        if result is not None and not result[1].get("profiler_steps") and any(
+                TRUNCATED in w for w in result[1].get("warnings") or ()):
+            # its steps' marks (Kineto writes them last) or every step lost to the cut
+            errors.append(f"{result[1]['path']}: {TRUNCATED}, and the cut leaves no whole profiled step; "
+                          "re-copy the file or re-profile the run")
+        elif result is not None:
             tables.append(result[0])
             metas[rank] = result[1]
             warnings += result[1].get("warnings") or []
+    warnings += group_by_reason([f"skipped: {e}" for e in errors], "skipped: ")
     results = result = None
     if not metas:
         raise TraceError(f"{path}: no trace could be loaded; " + "; ".join(errors[:2]))

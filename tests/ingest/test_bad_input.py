@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 import shutil
 
 import pytest
@@ -50,13 +51,25 @@ def test_truncated_before_the_events_is_an_error(tmp_path):
     _one_line(info.value, str(path), "not valid JSON")
 
 
-def test_corrupt_gzip(tmp_path):
-    good = gzip.compress(_trace().dumps())
+def test_truncated_gzip_is_salvaged_as_a_truncated_json_is(tmp_path):
+    """Issue 25 item 3: a .gz cut short lost the whole rank where the same cut in a .json kept
+    the events before it; both keep them now."""
+    data = _trace().dumps()
+    deflate = zlib.compressobj(6, zlib.DEFLATED, 31)  # the writer died: the stream never ends
     path = tmp_path / "rank0.json.gz"
-    path.write_bytes(good[: len(good) // 2])
+    path.write_bytes(deflate.compress(data[: int(len(data) * 0.6)]) + deflate.flush(zlib.Z_SYNC_FLUSH))
+    frame, meta = load_rank(path)
+    assert 10 < len(frame) < 51
+    assert any("truncated" in w for w in meta["warnings"])
+    assert sorted(frame.loc[frame["kind"] == "compute", "mb"].tolist()) == list(range((frame["kind"] == "compute").sum()))
+
+
+def test_corrupt_gzip(tmp_path):
+    path = tmp_path / "rank0.json.gz"
+    path.write_bytes(gzip.compress(_trace().dumps())[:30])  # a cut before any event
     with pytest.raises(TraceError) as info:
         load_rank(path)
-    _one_line(info.value, str(path), "gzip")
+    _one_line(info.value, str(path))
     path.write_bytes(b"\x1f\x8b" + os.urandom(200))
     with pytest.raises(TraceError):
         load_rank(path)

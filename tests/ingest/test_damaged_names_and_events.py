@@ -1,5 +1,6 @@
-"""Issue 25, items 5 and 6: what a damaged or unusual trace holds never loses the run or a
-rank to an internal error. Ranges written as B/E event pairs (legal Chrome trace format)
+"""Issue 25, items 3, 5 and 6: what a damaged or unusual trace holds never loses the run or a
+rank to an internal error, nor gives a wrong number. A cut (a rank that died while writing)
+drops the step it lands in for that rank, the same in a .json and in a .gz. Ranges written as B/E event pairs (legal Chrome trace format)
 give the numbers of the same ranges as complete events; a file name that is not UTF-8, a
 lone surrogate escape in an event name, a layout claim of the wrong type, a symlink loop
 among the traces: the run is analysed, the bad file or field named in one line.
@@ -12,6 +13,7 @@ import gzip
 import json
 import os
 import shutil
+import zlib
 
 import pytest
 
@@ -140,3 +142,52 @@ def test_a_symlink_loop_among_the_traces_is_named_and_the_rest_analysed(clean, t
     doc, warnings = _analyzed(run)
     assert _parts(doc) == _parts(clean[1])
     assert sum("Too many levels of symbolic links" in w for w in warnings) == 2, warnings
+
+
+def _cut_in_step_2(doc: dict) -> bytes:
+    """The document's text with its events in time order (as Kineto writes a step's ranges
+    after its ProfilerStep), cut inside the first event that starts past the middle of step 2."""
+    events = sorted(doc["traceEvents"], key=lambda e: e.get("ts", 0))
+    head = json.dumps({k: v for k, v in doc.items() if k != "traceEvents"})[:-1] + ', "traceEvents": [\n'
+    lines = [json.dumps(e) for e in events]
+    step2 = next(e for e in events if e.get("name") == "ProfilerStep#2")
+    i = next(i for i, e in enumerate(events) if e.get("ts", 0) > step2["ts"] + step2["dur"] / 2)
+    at = len(head) + sum(len(line) + 2 for line in lines[:i]) + len(lines[i]) // 2
+    return (head + ", ".join(lines) + "\n]}").encode()[:at]
+
+
+def _gzip_cut(data: bytes) -> bytes:
+    """``data`` as a .gz whose writer died: every byte inflates, the stream never ends."""
+    out = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return out.compress(data) + out.flush(zlib.Z_SYNC_FLUSH)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+def test_a_cut_inside_a_step_leaves_that_step_out_for_that_rank(clean, tmp_path, suffix):
+    """The step a cut lands in read as a step of 8 ms compute and 7 ms bubble (12 and 3 in
+    truth); now it is left out for that rank, with one line, and the whole step before it
+    has the clean run's numbers; a .gz cut the same way salvages the same events (it lost
+    the whole rank)."""
+    run = _copy(clean, tmp_path)
+    path = run / "traces" / "rank1.json.gz"
+    cut = _cut_in_step_2(json.loads(gzip.decompress(path.read_bytes())))
+    path.unlink()
+    (run / "traces" / f"rank1{suffix}").write_bytes(_gzip_cut(cut) if suffix.endswith(".gz") else cut)
+    doc, warnings = _analyzed(run)
+    assert doc["run"]["steps"] == [1]
+    clean_step1 = {r["rank"]: r["steps"][0]["breakdown_s"] for r in clean[1]["ranks"]}
+    assert {r["rank"]: r["steps"][0]["breakdown_s"] for r in doc["ranks"]} == clean_step1
+    name = f"{run}/traces/rank1{suffix}"
+    assert any(w.startswith(f"{name}: truncated trace") for w in warnings), warnings
+    assert f"{name}: the cut lands in step 2: left out for this rank (what it ran after the cut is lost)" in warnings
+
+
+def test_a_cut_that_leaves_no_whole_step_skips_the_rank_in_one_line(clean, tmp_path):
+    run = _copy(clean, tmp_path)
+    path = run / "traces" / "rank1.json.gz"
+    text = gzip.decompress(path.read_bytes())  # tracegen writes the ProfilerStep marks last
+    path.write_bytes(_gzip_cut(text[: text.index(b"ProfilerStep#")]))
+    doc, warnings = _analyzed(run)
+    assert [r["rank"] for r in doc["ranks"]] == [0]
+    assert f"skipped: {path}: truncated trace (the rank died while writing it?), and the cut leaves no whole " \
+           "profiled step; re-copy the file or re-profile the run" in warnings
