@@ -391,8 +391,8 @@ class Analysis:
 
     def whatif(self, **changes) -> dict:
         """The what-if replay (``pptrace whatif --json``) of the run under ``changes``
-        (``schedule``, ``vpp``, ``microbatches``, ``no_straggler``, ``p2p_free``); with none, the
-        replay of the step as measured (computed once)."""
+        (``schedule``, ``vpp``, ``microbatches``, ``no_straggler``, ``p2p_free``,
+        ``balanced_experts``); with none, the replay of the step as measured (computed once)."""
         from .whatif.predict import whatif
 
         if not changes:

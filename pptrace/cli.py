@@ -58,7 +58,6 @@ class _StdoutGuard:
             plain = text.translate(_ASCII_PUNCTUATION).encode(encoding, "replace").decode(encoding)
             return self._marked(self._stream.write, plain)
 
-
     def flush(self):
         return self._marked(self._stream.flush)
 
@@ -475,19 +474,23 @@ def merge(run_dir: Path, steps_text, ranks_text, output, loading):
 @click.option("--microbatches", type=click.IntRange(min=1), help="Number of microbatches.")
 @click.option("--no-straggler", is_flag=True, help="Replace the slowest rank's times by its peers' median.")
 @click.option("--p2p-free", is_flag=True, help="Assume pipeline sends and receives take no time.")
+@click.option("--balanced-experts", is_flag=True,
+              help="Spread the MoE tokens evenly: each rank's expert time at its ep group's mean tokens.")
 @click.option("--json", "json_out", is_flag=True, help="Print the prediction as JSON instead of a table.")
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path), help="Write the simulated timeline (Perfetto).")
 @_load_options
 @_one_line_errors
-def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, json_out, trace_out, loading):
+def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, balanced_experts, json_out, trace_out,
+           loading):
     """Predict the step time under another pipeline schedule, number of model chunks per stage
-    or of microbatches, without the slowest rank, or with free pipeline transfers."""
+    or of microbatches, without the slowest rank, with free pipeline transfers, or with the
+    experts' tokens spread evenly over the ep ranks."""
     from .whatif import predict as whatif_mod
 
     trace_out = _output(run_dir, trace_out, "--trace")
     run = _load(run_dir, **loading)
     result = whatif_mod.whatif(run, schedule=schedule, vpp=vpp, microbatches=microbatches,
-                               no_straggler=no_straggler, p2p_free=p2p_free)
+                               no_straggler=no_straggler, p2p_free=p2p_free, balanced_experts=balanced_experts)
     if trace_out:
         from .export.perfetto import write_simulated_trace
 

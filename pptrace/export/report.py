@@ -294,6 +294,8 @@ def print_whatif(result: dict, console) -> None:
             text += " no-straggler"
         if d.get("p2p_free"):
             text += " p2p-free"
+        if d.get("balanced_experts"):
+            text += " balanced-experts"
         return text
 
     def ms(seconds):

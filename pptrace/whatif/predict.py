@@ -1,5 +1,5 @@
 """What-if: replay a measured run under another schedule, vpp, microbatch count, without its
-straggler or with free p2p, and predict the step time.
+straggler, with free p2p or with its experts' tokens spread evenly, and predict the step time.
 
 Flow: measured durations from the Run (per stage and microbatch: forward, backward, weight
 grad; per link p2p latency; host overhead per op; the fixed part of the step outside the
@@ -18,7 +18,10 @@ from ..vocab import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, INTERLEAVED, LOSS, PASS_OP
                      has_closed_form)
 from ..schedules.replay import PipelineTimes, Timeline, action_programs, simulate
 from ..timeline.programs import main_thread_work
+from ..timeline.projection import gpu_extent
+from ..timeline.windows import Window
 from .costs import eager_latencies, exchange_latencies, latency_of, overhead, post_cost
+from .experts import balanced_shifts, check_balanceable
 from ..progress import WHATIF, phased
 
 SCHEMA = "pptrace.whatif/1"
@@ -55,6 +58,10 @@ class Measured:
     #: a schedule pptrace has no table for: the programs built from its own action order
     #: (replay.action_programs), replayed with eager sends as torch posts them
     programs: list | None = None
+    #: (fwd, bwd, wgrad) as ``times`` has them, with every rank's experts given its ep
+    #: group's mean tokens (whatif/experts.py); measured only when asked
+    balanced: tuple | None = None
+    experts: dict | None = None  # what the balancing moved (experts.SUMMARY_KEYS)
 
 
 def _main_events(run) -> pd.DataFrame:
@@ -107,6 +114,32 @@ def _stage_matrix(ops: pd.DataFrame, op_names, stage_of, p: int, m: int) -> np.n
     return out
 
 
+def _pass_matrices(ops: pd.DataFrame, split: bool, stage_of, p: int, m: int) -> tuple[np.ndarray, ...]:
+    """(fwd, bwd, wgrad) stage matrices; a stage without a usable trace takes the median of
+    the others (partial input: assume it was like them)."""
+    fwd = _stage_matrix(ops, [FWD, LOSS], stage_of, p, m)
+    # a split run's full backward passes (some torch zero-bubble schedules mix them) count as B
+    bwd = _stage_matrix(ops, [BWD_INPUT, BWD] if split else [BWD], stage_of, p, m)
+    wgrad = _stage_matrix(ops, [BWD_WEIGHT], stage_of, p, m)
+    present = sorted(set(ops["rank"].map(stage_of)))
+    for stage in sorted(set(range(p)) - set(present)):
+        for a in (fwd, bwd, wgrad):
+            a[stage] = np.median(a[present], axis=0)
+    return fwd, bwd, wgrad
+
+
+def _windows(run, ops: pd.DataFrame, p: int) -> dict:
+    """step -> the pipeline window. One stage has no pipeline to report (windows.
+    pipeline_windows), yet its replay still spans its passes, and the step outside them is
+    the fixed part: the same span, from the passes measured (where their GPU work ran)."""
+    if p > 1:
+        return run.pipeline_windows
+    start, end, _ = gpu_extent(run.events, run.events.loc[ops.index])
+    g = pd.DataFrame({"step": ops["step"].to_numpy(np.int64), "s": start, "e": end}).groupby("step")
+    lo, hi = g["s"].min(), g["e"].max()
+    return dict(zip(lo.index.tolist(), map(Window, lo.to_numpy(np.int64).tolist(), hi.to_numpy(np.int64).tolist())))
+
+
 def _wgrad_fraction(run) -> float | None:
     for meta in run.meta.values():
         block = meta.get("pptrace") or {}
@@ -126,8 +159,11 @@ def _overlap_p2p_comm(run) -> bool:
     return False
 
 
-def measure(run) -> Measured:
-    """Durations, latencies and the measured step of a run (medians over its profiled steps)."""
+def measure(run, *, balanced_experts: bool = False) -> Measured:
+    """Durations, latencies and the measured step of a run (medians over its profiled steps);
+    with ``balanced_experts`` also the pass durations with every rank's experts given its ep
+    group's mean tokens (``Measured.balanced``; NotBalanceable, a ValueError, for a run
+    without expert-parallel ranges)."""
     p, v = run.layout.pp, int(run.vpp or 1)
     schedule = canonical(run.schedule)
     programs, m = None, int(run.microbatches or 0)
@@ -147,16 +183,17 @@ def measure(run) -> Measured:
     if ops.empty:
         raise ValueError(f"{run.path}: no compute:fwd/bwd ranges in the profiled steps; nothing to replay")
     split = bool((ops["op"] == BWD_INPUT).any())
-    fwd = _stage_matrix(ops, [FWD, LOSS], stage_of, p, m)
-    # a split run's full backward passes (some torch zero-bubble schedules mix them) count as B
-    bwd = _stage_matrix(ops, [BWD_INPUT, BWD] if split else [BWD], stage_of, p, m)
-    wgrad = _stage_matrix(ops, [BWD_WEIGHT], stage_of, p, m)
-    present = sorted(set(ops["rank"].map(stage_of)))
-    for stage in sorted(set(range(p)) - set(present)):
-        # a stage without a usable trace: assume it was like the others (partial input)
-        notes.append(f"stage {stage} has no traced passes; assumed the median of the other stages")
-        for a in (fwd, bwd, wgrad):
-            a[stage] = np.median(a[present], axis=0)
+    fwd, bwd, wgrad = _pass_matrices(ops, split, stage_of, p, m)
+    present = set(ops["rank"].map(stage_of))
+    notes.extend(f"stage {stage} has no traced passes; assumed the median of the other stages"
+                 for stage in sorted(set(range(p)) - present))
+    balanced = experts = None
+    if balanced_experts:
+        is_pass = (ops["category"] == "compute").to_numpy()
+        shift, experts = balanced_shifts(run, main, ops[is_pass], notes)
+        moved = ops["dur_ns"].to_numpy(np.int64).copy()
+        moved[is_pass] += shift
+        balanced = _pass_matrices(ops.assign(dur_ns=np.maximum(moved, 0)), split, stage_of, p, m)
     # torch's runtime schedules are replayed with eager sends (_replicated), whose latency
     # runs from the send's post
     observe = exchange_latencies if programs is None else eager_latencies
@@ -165,7 +202,7 @@ def measure(run) -> Measured:
     times = PipelineTimes(fwd, bwd, wgrad, latency, overhead(ops), samples, post_s=post_cost(main),
                           recv_s=float(observed.attrs.get("recv_ns", 0.0)) / 1e9)
 
-    spans = run.pipeline_windows
+    spans = _windows(run, ops, p)
     window = pd.Series({s: spans[s].end_ns - spans[s].start_ns for s in steps.index if s in spans}, dtype="float64")
     step_time = float(steps.median()) / 1e9
     fixed = float((steps - window.reindex(steps.index)).median()) / 1e9
@@ -176,7 +213,7 @@ def measure(run) -> Measured:
         window_s=float(window.median()) / 1e9, fixed_s=max(fixed, 0.0),
         split_backward=split, wgrad_fraction=_wgrad_fraction(run), notes=notes,
         overlap_p2p_comm=schedule == INTERLEAVED and _overlap_p2p_comm(run),
-        programs=programs,
+        programs=programs, balanced=balanced, experts=experts,
     )
 
 
@@ -264,12 +301,14 @@ def _ops(timeline: Timeline) -> dict:
     return {"columns": cols, "rows": timeline.ops[cols].to_numpy().tolist()}
 
 
-def _changes(measured: Measured, schedule: str, v: int, m: int, straggler, p2p_free: bool, wgrad_fraction) -> list:
+def _changes(measured: Measured, schedule: str, v: int, m: int, straggler, p2p_free: bool, wgrad_fraction,
+             balanced_experts: bool = False) -> list:
     """What the prediction changed from the measured configuration (an empty list: nothing,
     and the prediction is the replay)."""
     changed = {
         "schedule": schedule != measured.schedule, "vpp": v != measured.vpp, "microbatches": m != measured.times.m,
         "no_straggler": straggler is not None, "p2p_free": bool(p2p_free),
+        "balanced_experts": bool(balanced_experts),
         "wgrad_fraction": wgrad_fraction is not None and schedule == ZB_H1 and not measured.split_backward,
     }
     return [name for name, yes in changed.items() if yes]
@@ -329,7 +368,7 @@ def _replications(p: int, v: int, m: int, wanted: int, drawn: bool, notes: list,
 
 @phased(WHATIF)
 def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=False, p2p_free=False,
-           wgrad_fraction=None, sends="rendezvous", replications=REPLICATIONS) -> dict:
+           balanced_experts=False, wgrad_fraction=None, sends="rendezvous", replications=REPLICATIONS) -> dict:
     """Predict the step time of ``run`` under the given changes (None = as measured).
 
     Returns a JSON-ready dict: ``measured`` (step_time_s, schedule, ...), ``replay`` (the
@@ -339,14 +378,21 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
     microbatch count changed, ``step_time`` for other changes, ``replay_error`` when nothing
     changed), ``step_time_ratio``, ``throughput_ratio``, ``speedup`` (see _comparison) and
     ``notes``.
-    Raises ValueError for impossible changes (interleaved with microbatches % pp != 0, ...).
+    ``balanced_experts``: every rank's expert compute (``compute:expert`` ranges, tagged
+    ``tokens=``) rescaled to its ep group's mean tokens per layer call, and each pass moved
+    by what that moves its group's all-to-all (whatif/experts.py); ``predicted.experts``
+    says what moved.
+    Raises ValueError for impossible changes (interleaved with microbatches % pp != 0, a run
+    without expert parallelism for ``balanced_experts``, ...).
     Message latencies are drawn from the run's measured transfers in ``replications``
     simulations (fixed seed); the median one is reported.
     """
+    if balanced_experts:
+        check_balanceable(run)
     if run.microbatches:  # before measure() sizes its arrays by what the traces claim
         _replications(run.layout.pp, int(run.vpp or 1), int(run.microbatches), replications, True, [],
                       f"{run.path}: the traces say that", "what-if cannot replay this run")
-    measured = measure(run)
+    measured = measure(run, balanced_experts=balanced_experts)
     times, notes = measured.times, list(measured.notes)
     target, v, m = _target(measured, times.m, schedule, vpp, microbatches)
     if schedule is None and target != measured.schedule:
@@ -362,6 +408,15 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
                          measured.programs)
     replay_step = replay.makespan_s + measured.fixed_s
 
+    if balanced_experts:
+        fwd, bwd, wgrad = measured.balanced
+        times = replace(times, fwd=fwd, bwd=bwd, wgrad=wgrad)
+        moved = measured.experts
+        saved, share = moved["pass_time_saved_s"], moved["max_over_mean_tokens"]
+        busiest = f" (the busiest had {share:.2f}x the mean)" if share is not None else ""
+        notes.append(f"balanced experts: {moved['layer_calls']:g} MoE layer calls a step, each rank's expert time "
+                     f"rescaled to its ep group's mean tokens{busiest}: a rank's passes {abs(saved) * 1e3:.1f} ms "
+                     f"{'shorter' if saved >= 0 else 'longer'} a step, the all-to-all waits for it included")
     straggler = None
     if no_straggler:
         times, straggler = _drop_straggler(times)
@@ -406,10 +461,11 @@ def whatif(run, *, schedule=None, vpp=None, microbatches=None, no_straggler=Fals
             "schedule": target, "microbatches": m, "vpp": v, "overlap_p2p_comm": overlap,
             "no_straggler": bool(no_straggler), "straggler_stage": straggler,
             "p2p_free": bool(p2p_free),
+            "balanced_experts": bool(balanced_experts), "experts": measured.experts,
             "step_time_s": predicted_step, "window_s": predicted.makespan_s,
             "stages": _stages(predicted), "timeline": _ops(predicted),
         },
         **_comparison(measured, m, predicted_step, _changes(measured, target, v, m, straggler, p2p_free,
-                                                            wgrad_fraction)),
+                                                            wgrad_fraction, balanced_experts)),
         "notes": notes,
     }
