@@ -53,7 +53,7 @@ def _gpt_config(config: TrainConfig):
     )
 
 
-def _sleep_moe(config: TrainConfig, gpt, pstate):
+def _sleep_moe(config: TrainConfig, gpt, pstate, overlap_group=None):
     """Sleep mode's ep work (expert_parallel.SleepMoE), None for a dense model."""
     from .expert_parallel import SleepMoE
     from .model import is_moe_layer, layers_for_chunk, num_local_tokens
@@ -64,7 +64,7 @@ def _sleep_moe(config: TrainConfig, gpt, pstate):
               for c in range(config.vpp)]
     tokens = num_local_tokens(gpt, pstate, config.micro_batch_size) // (config.tp if config.sp else 1)
     return SleepMoE(layers, tokens, config.topk, config.hidden, config.expert_us_per_token, pstate.ep_group,
-                    config.ep, pstate.ep_rank, config.moe_imbalance, pstate.device)
+                    config.ep, pstate.ep_rank, config.moe_imbalance, pstate.device, overlap_group)
 
 
 class _NoProfile:
@@ -141,11 +141,18 @@ def train(config: TrainConfig, pstate) -> list[dict]:
     dp_cp_size = config.dp * config.cp
 
     chunks, reducer = [], None
+    overlap_group = None
+    if config.ep_overlap:
+        from .expert_parallel import overlap_group as make_overlap_group
+
+        overlap_group = make_overlap_group(pstate)  # collective: every rank, before any traffic
     if config.compute == "model":
         from .data import get_microbatch
+        from .expert_parallel import enable_overlap
         from .model import build_model_chunks
 
         chunks = build_model_chunks(gpt, pstate, vpp=config.vpp)
+        enable_overlap(chunks, overlap_group)
         if config.dp_overlap and dp_cp_size > 1:
             from .data_parallel import OverlappedGradReducer
 
@@ -160,7 +167,7 @@ def train(config: TrainConfig, pstate) -> list[dict]:
     if metrics_path is not None:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         metrics_path.write_bytes(b"")
-    moe = _sleep_moe(config, gpt, pstate) if config.compute == "sleep" else None
+    moe = _sleep_moe(config, gpt, pstate, overlap_group) if config.compute == "sleep" else None
     truth = _sleep_truth(config, rank, coords.pp, fwd_delay, bwd_delay, moe)
     waited = {}  # step -> ns this rank's main thread waited for a CPU (the box's own slowdown)
     with _profile(config) as prof:
@@ -184,6 +191,8 @@ def train(config: TrainConfig, pstate) -> list[dict]:
             passes = truth["steps"].setdefault(str(step), []) if truth is not None else None
             if moe is not None and truth is not None:
                 moe.calls = truth["experts"]["calls"].setdefault(str(step), [])
+                moe.computes = truth["experts"]["compute"].setdefault(str(step), [])
+                moe.blocked = truth["experts"]["blocked"].setdefault(str(step), [])
             forward_backward(PipelineRun(compute, ctx, m, coords.pp, config.pp, config.vpp,
                                          overlap_p2p_comm=config.overlap_p2p_comm, passes=passes))
             _sync_data_parallel(config, pstate, chunks, reducer, dp_cp_size)
@@ -211,6 +220,19 @@ def train(config: TrainConfig, pstate) -> list[dict]:
         (Path(config.out) / "sched" / f"rank{rank}.json").write_bytes(
             orjson.dumps({"rank": rank, "runqueue_wait_ns": waited}))
     if truth is not None:
+        if "experts" in truth:
+            from .expert_parallel import overlap_ns
+
+            e = truth["experts"]
+            # the hidden EP time: calls in flight while the main thread ran its pass outside
+            # its ep posts and waits (a serial call blocks it throughout); the part of it
+            # under the experts' sleeps bounds it from below
+            spans = {step: [(start, end) for *_, start, end in passes] for step, passes in truth["steps"].items()}
+            blocked = e["blocked"] if config.ep_overlap else e["calls"]
+            e["overlap_ns"] = {step: overlap_ns(calls, spans.get(step, ()), blocked.get(step, ()))
+                               for step, calls in e["calls"].items()}
+            e["overlap_expert_ns"] = {step: overlap_ns(calls, e["compute"].get(step, ()))
+                                      for step, calls in e["calls"].items()}
         (Path(config.out) / "truth").mkdir(parents=True, exist_ok=True)
         (Path(config.out) / "truth" / f"rank{rank}.json").write_bytes(orjson.dumps(truth))
     return rows
@@ -231,7 +253,11 @@ def _sleep_truth(config: TrainConfig, rank: int, pp_rank: int, fwd_delay: float,
     as ``[op, mb, chunk, start_ns, end_ns]`` on the clock trace times are given in (time_ns).
     With MoE layers, ``experts``: the tokens this rank's experts get per MoE layer and
     microbatch, the MoE layers of each chunk, their sleep per layer (s) by phase, and per
-    step the all-to-all calls' ``[start_ns, end_ns]``."""
+    step the all-to-all calls' ``[start_ns, end_ns]`` (with --ep-overlap from post to
+    completion), the expert sleeps' (``compute``), the main thread's posts and waits of the
+    overlapped calls (``blocked``), and ``overlap_ns``: the hidden EP time, calls in flight
+    while the main thread ran its pass outside its ep calls (``overlap_expert_ns``: the part
+    under the expert sleeps, its lower bound)."""
     if config.compute != "sleep" or not config.out:
         return None
     truth = {"rank": rank, "pp_rank": pp_rank, "vpp": config.vpp,
@@ -242,7 +268,7 @@ def _sleep_truth(config: TrainConfig, rank: int, pp_rank: int, fwd_delay: float,
     if moe is not None:
         truth["experts"] = {"tokens": moe.received, "sent": moe.in_splits, "layers": moe.layers_of_chunk,
                             "ep_rank": moe.ep_rank, "fwd_s": moe.expert_s("fwd"), "bwd_s": moe.expert_s("bwd"),
-                            "calls": {}}
+                            "overlap": config.ep_overlap, "calls": {}, "compute": {}, "blocked": {}}
     return truth
 
 

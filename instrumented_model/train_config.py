@@ -84,6 +84,8 @@ class TrainConfig:
     moe_every: int = 1
     moe_imbalance: object = None  # expert_parallel.Imbalance
     expert_us_per_token: float = 0.0
+    # each MoE layer as two halves, one's all-to-alls under the other's experts (DualPipe-style)
+    ep_overlap: bool = False
     out: str | None = None
     profile_steps: str = "1-2"
 
@@ -162,6 +164,9 @@ class TrainConfig:
             raise ValueError(f"--experts {self.experts} must be divisible by --ep {self.ep}")
         if self.experts and self.topk > self.experts:
             raise ValueError(f"--topk {self.topk} exceeds --experts {self.experts}")
+        if self.ep_overlap and self.ep < 2:
+            raise ValueError(f"--ep-overlap hides the ep all-to-alls under expert compute: it needs --ep > 1, "
+                             f"got --ep {self.ep}")
         if self.expert_us_per_token < 0:
             raise ValueError(f"--expert-us-per-token must be >= 0, got {self.expert_us_per_token}")
         if self.moe_imbalance is not None:
@@ -251,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-every", type=int, default=d.moe_every, help="every N-th layer is MoE")
     ap.add_argument("--moe-imbalance", default=None, metavar="RANK:FACTOR",
                     help="sleep mode: ep rank RANK's experts get FACTOR times the mean tokens")
+    ap.add_argument("--ep-overlap", action="store_true",
+                    help="cut each MoE layer's tokens in two and run one half's all-to-alls (async, on a group "
+                         "of their own) under the other half's experts, DualPipe-style (needs --ep > 1)")
     ap.add_argument("--expert-us-per-token", type=float, default=d.expert_us_per_token,
                     help="sleep mode: an expert's forward per token it got (backward twice that)")
     ap.add_argument("--out", default=None, help="run directory: traces/, metrics.jsonl, run.json")
