@@ -52,6 +52,15 @@ def sleep_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def ep_run(tmp_path_factory):
+    """name -> the directory of that shared MoE sleep-mode trainer run (ep_runs.RUNS), made
+    once a session, on first use."""
+    import ep_runs
+
+    return lambda name: shared_run(tmp_path_factory, name, lambda out: ep_runs.train(out, ep_runs.RUNS[name]))
+
+
+@pytest.fixture(scope="session")
 def gloo_run(tmp_path_factory) -> Path:
     """A real 4-rank gloo run of the toy pipeline (pp=2 x dp=2, 4 microbatches, steps 1-8).
     Eight profiled steps give alignment enough collectives to be tight on a busy host."""

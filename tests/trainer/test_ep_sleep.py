@@ -7,37 +7,23 @@ other rank waits in the all-to-alls for rank 2's extra expert time."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import pptrace
+from ep_runs import FACTOR, HOT, M, RUNS, train
 
 pytestmark = pytest.mark.slow
 
-HOT, FACTOR, M, STEPS = 2, 2.0, 4, ("1", "2")
-COMMON = ["--dp", "4", "--ep", "4", "--experts", "8", "--topk", "2", "--layers", "2", "--compute", "sleep",
-          "--fwd-ms", "4", "--bwd-ms", "8", "--microbatches", str(M), "--expert-us-per-token", "200",
-          "--steps", "3", "--profile-steps", "1-2"]
-
-
-def _train(out: Path, *extra) -> Path:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *COMMON, *extra, "--out", str(out)],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+STEPS = ("1", "2")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ep")
-    return {name: (_train(root / name, *extra), pptrace.analyze(root / name, progress=False))
-            for name, extra in (("balanced", ()), ("hot", ("--moe-imbalance", f"{HOT}:{FACTOR:g}")))}
+def runs(ep_run):
+    """name -> (directory, its Analysis) of the shared dp4 / ep4 runs (tests/ep_runs.py)."""
+    return {name: (ep_run(shared), pptrace.analyze(ep_run(shared), progress=False))
+            for name, shared in (("balanced", "ep-dp4"), ("hot", "ep-dp4-hot"))}
 
 
 def _truth(out: Path) -> dict:
@@ -125,13 +111,13 @@ def test_expert_load_names_the_hot_rank_and_what_it_cost(runs):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_ep_inside_a_pipeline(tmp_path, schedule):
+def test_ep_inside_a_pipeline(tmp_path, schedule, ep_run):
     """dp 2 / ep 2 / pp 2: each stage's two ranks form an ep group, ep rank 1's experts get
     1.5x the mean; within each group the other rank's ep wait beyond the hot one's is its
     expert-time deficit (the passes around it are the pipeline's)."""
-    vpp = ["--vpp", "2"] if schedule == "interleaved" else []
-    out = _train(tmp_path / "run", "--pp", "2", "--dp", "2", "--ep", "2", "--layers", "4", "--schedule", schedule,
-                 *vpp, "--moe-imbalance", "1:1.5")
+    # 1F1B is the what-if tests' shared run; interleaved is this test's own
+    out = (ep_run("ep-pp2-hot") if schedule == "1f1b" else
+           train(tmp_path / "run", [*RUNS["ep-pp2-hot"], "--schedule", schedule, "--vpp", "2"]))
     analysis = pptrace.analyze(out, progress=False)
     truth = _truth(out)
     layout = analysis.run.layout

@@ -5,14 +5,11 @@ Hand-built runs (every number known) for the rule itself and for what is refused
 reference trainer in sleep mode for the acceptance: the prediction from an imbalanced run
 against a real run of the same config without the imbalance, at dp 4 / ep 4 and inside a
 1F1B pipeline (dp 2 / ep 2 / pp 2). The trainer runs are tests/trainer/test_ep_sleep.py's
-configurations, made once a session (conftest.shared_run).
+configurations (tests/ep_runs.py), made once a session (conftest.ep_run).
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import pptrace
-from conftest import shared_run
+from ep_runs import M
 from pptrace.cli import cli
 from pptrace.run.build import load_run
 from pptrace.topology import Layout
@@ -114,37 +111,18 @@ def test_the_cli_refuses_a_run_without_experts_in_one_line(tmp_path):
 
 
 # -- the acceptance, on the reference trainer ----------------------------------------------
-#: tests/trainer/test_ep_sleep.py's runs: dp 4 / ep 4, 8 experts top-2, 2 MoE layers, 4
-#: microbatches, experts 200 µs per token (twice that in backward); ep rank 2 at 2x the mean
-COMMON = ["--dp", "4", "--ep", "4", "--experts", "8", "--topk", "2", "--layers", "2", "--compute", "sleep",
-          "--fwd-ms", "4", "--bwd-ms", "8", "--microbatches", "4", "--expert-us-per-token", "200",
-          "--steps", "3", "--profile-steps", "1-2"]
-PIPELINE = ["--pp", "2", "--dp", "2", "--ep", "2", "--layers", "4", "--schedule", "1f1b"]
-RUNS = {
-    "ep-dp4": COMMON, "ep-dp4-hot": [*COMMON, "--moe-imbalance", "2:2"],
-    "ep-pp2": [*COMMON, *PIPELINE], "ep-pp2-hot": [*COMMON, *PIPELINE, "--moe-imbalance", "1:1.5"],
-}
-M = 4  # microbatches
 #: what the issue asks of the prediction against the balanced run's measured step
 WITHIN = 0.05
 
 
-def _train(out: Path, args) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *args, "--out", str(out)],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-
-
 @pytest.fixture(scope="session")
-def ep_run(tmp_path_factory):
-    """name -> (directory, loaded Run) of RUNS[name], made once a session."""
+def loaded(ep_run):
+    """name -> (directory, loaded Run) of the shared MoE run ``name`` (tests/ep_runs.py)."""
     made = {}
 
     def get(name):
         if name not in made:
-            out = shared_run(tmp_path_factory, name, lambda out: _train(out, RUNS[name]))
+            out = ep_run(name)
             made[name] = out, load_run(out, progress=False)
         return made[name]
 
@@ -205,35 +183,35 @@ def _check_the_saving(hot, result) -> None:
 
 
 @pytest.mark.slow
-def test_balanced_experts_predicts_the_run_without_the_imbalance(ep_run):
-    hot = ep_run("ep-dp4-hot")
-    result = _check_against_the_balanced_run(hot, ep_run("ep-dp4"))
+def test_balanced_experts_predicts_the_run_without_the_imbalance(loaded):
+    hot = loaded("ep-dp4-hot")
+    result = _check_against_the_balanced_run(hot, loaded("ep-dp4"))
     _check_the_saving(hot, result)
     assert result["predicted"]["experts"]["max_over_mean_tokens"] == pytest.approx(2.0, rel=0.02)
     assert result["changes"] == ["balanced_experts"] and result["comparison"] == "step_time"
 
 
 @pytest.mark.slow
-def test_balanced_experts_inside_a_pipeline(ep_run):
+def test_balanced_experts_inside_a_pipeline(loaded):
     """dp 2 / ep 2 / pp 2, 1F1B: each stage's passes carry their group's expert time and
     all-to-all waits; rescaled, the pipeline is replayed with them."""
-    hot = ep_run("ep-pp2-hot")
-    result = _check_against_the_balanced_run(hot, ep_run("ep-pp2"))
+    hot = loaded("ep-pp2-hot")
+    result = _check_against_the_balanced_run(hot, loaded("ep-pp2"))
     _check_the_saving(hot, result)
     assert result["predicted"]["experts"]["max_over_mean_tokens"] == pytest.approx(1.5, rel=0.02)
 
 
 @pytest.mark.slow
-def test_a_balanced_run_is_predicted_as_it_ran(ep_run):
+def test_a_balanced_run_is_predicted_as_it_ran(loaded):
     """Equal tokens everywhere: nothing moves, the prediction is the replay."""
-    result = whatif(ep_run("ep-dp4")[1], balanced_experts=True)
+    result = whatif(loaded("ep-dp4")[1], balanced_experts=True)
     assert result["predicted"]["experts"]["pass_time_saved_s"] == 0
     assert result["predicted"]["step_time_s"] == pytest.approx(result["replay"]["step_time_s"], rel=1e-9)
 
 
 @pytest.mark.slow
-def test_the_cli_and_the_analysis_give_the_prediction(ep_run):
-    out, run = ep_run("ep-dp4-hot")
+def test_the_cli_and_the_analysis_give_the_prediction(loaded):
+    out, run = loaded("ep-dp4-hot")
     expected = whatif(run, balanced_experts=True)["predicted"]["step_time_s"]
     document = json.loads(CliRunner().invoke(cli, ["whatif", str(out), "--balanced-experts", "--json"]).stdout)
     assert document["predicted"]["step_time_s"] == pytest.approx(expected, rel=1e-9)
