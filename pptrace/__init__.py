@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 __all__ = ["Analysis", "Layout", "RangeName", "analyze", "format_name", "load_run", "parse_name", "profile", "region",
            "__version__"]
 
-_LAZY = {"profile": "instrument", "region": "instrument", "load_run": "run", "analyze": "analysis",
+_LAZY = {"profile": "instrument", "region": "ranges", "load_run": "run", "analyze": "analysis",
          "Analysis": "analysis"}
 
 

@@ -40,7 +40,7 @@ import sys
 import warnings
 from contextlib import nullcontext
 
-from ..instrument import region
+from ..ranges import region
 from ._requests import Open, Pending, nbytes
 from ..vocab import LAYOUT_DIMS, LAYOUT_ORDERS, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
 

@@ -48,7 +48,7 @@ import warnings
 import weakref
 from contextlib import nullcontext
 
-from ..instrument import region
+from ..ranges import region
 from ._requests import Open, Pending, nbytes
 from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LAYOUT_ORDERS, LOSS, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
 

@@ -22,7 +22,7 @@ LAYERS = (
     ("foundation", ("pptrace/__init__.py", "pptrace/vocab.py", "pptrace/naming.py", "pptrace/topology.py",
                     "pptrace/errors.py", "pptrace/output.py", "pptrace/progress.py", "pptrace/sweeps.py")),
     ("schedules", ("pptrace/schedules/",)),
-    ("instrumentation", ("pptrace/instrument.py", "pptrace/integrations/")),
+    ("instrumentation", ("pptrace/ranges.py", "pptrace/integrations/", "pptrace/instrument.py")),
     # import: one trace file -> one rank's table
     ("ingest", ("pptrace/ingest/",)),
     # query primitives over an events table
