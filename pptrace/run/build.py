@@ -330,7 +330,18 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
     loaded = sorted(metas)
     given = {f: _common(f, metas) for f in ("schedule", "microbatches", "vpp")}
     claimed = {f for f, value in given.items() if value is not None}  # what the pptrace block says
-    found = infer.infer_run(events, metas, layout if layout_known else None)
+    hosts = {rank: meta.get("hostname") for rank, meta in metas.items()}
+
+    def clock():
+        """Ranks on several hosts: their clocks aligned on the collectives alone (no p2p is
+        paired yet), for an inference that must compare their times."""
+        if len(set(hosts.values())) <= 1:
+            return None
+        instances, _ = match.match_collectives(events, layout, loaded)
+        offsets, _ = align.estimate_offsets(loaded, instances, None, events, hosts=hosts)
+        return dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))
+
+    found = infer.infer_run(events, metas, layout if layout_known else None, clock=clock)
     inferred = {}
     if found is not None:  # a plain trace: the pipeline and its work inferred (infer/)
         events, warnings = found.events, [*warnings, *found.warnings]
@@ -349,7 +360,6 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
     schedule, microbatches, vpp = given["schedule"], given["microbatches"], given["vpp"]
     instances, w_coll = match.match_collectives(events, layout, loaded)
     pairs, w_p2p = match.match_p2p(events, timed=False)  # wait/transfer once clocks are aligned
-    hosts = {rank: meta.get("hostname") for rank, meta in metas.items()}
     offsets, w_align = align.estimate_offsets(loaded, instances, pairs, events, hosts=hosts)
     # Matching is clock-free, so the matches stand; only their times move.
     shift = dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))

@@ -27,7 +27,7 @@ step, compute within 5% of the passes and loss calls as torch ran them, pipeline
 named, each stage's t_fwd / t_bwd within 15% of the median logged pass (the last stage's
 forward with its loss call), and the schedule part of each stage's bubble within 10% of a
 zero-latency replay of the order that really ran (loss included). A check that fails because
-of pptrace is an xfail(strict) naming what is wrong, so it turns red when fixed.
+of pptrace is an xfail(strict) naming what is wrong, so it turns red when fixed (none today).
 """
 from __future__ import annotations
 
@@ -51,35 +51,11 @@ RUN = dict(steps=3, profile_steps="1-2", fwd_ms=10, bwd_ms=20, loss_ms=8)
 PROFILED = (1, 2)
 IDLE_MS = 15.0
 
-#: (check, mode[, schedule]) -> why pptrace gets it wrong on that case; way (a) passes them all.
-#: The numbers are the range over four runs on the shared 2-core box.
-_PLAIN_1F1B = ("torchtitan's plain 1F1B trace names no pass, so pptrace takes the passes from the ops between "
-               "p2p posts, every run of autograd ops a backward and the runs between them forwards: the last "
-               "stage's ChunkedLossWrapper runs lm_head + cross entropy and one backward() per sequence chunk "
-               "(8) inside the loss call, so each of its microbatches reads as 9 forwards and 9 backwards")
-_BETWEEN_OPS = ("inside each inferred pass every stretch of 20 us or more without an op (write.MIN_GAP_NS: "
-                "torchtitan's Python between ops: 500-1400 gaps of ~50 us median, 50-185 ms a rank-step) becomes "
-                "host:between_ops, not compute")
-XFAIL = {
-    ("microbatches", "titan", "1F1B"): f"issue 24 item 5: 72 microbatches found, 8 ran: {_PLAIN_1F1B}",
-    ("schedule", "titan", "1F1B"): "issue 24 item 5: no schedule named (None) for a 1F1B run: the last stage's "
-                                   f"72 forwards and 72 backwards fit no schedule's order: {_PLAIN_1F1B}",
-    ("pass_times", "titan", "1F1B"): "issue 24 item 5: stage 1 t_fwd 1.9-2.6 ms and t_bwd 0.9-1.5 ms against "
-                                     "median logged passes of 52-72 ms and 32-39 ms (-96%): medians of loss "
-                                     f"chunks. {_PLAIN_1F1B}",
-    ("compute", "titan"): "issue 24 item 5: compute 8-16% below the passes on the plain traces (1F1B rank 1 579 vs "
-                          f"658 ms, Interleaved1F1B rank 1 936 vs 1102 ms; 1F1B rank 0 0-6%): {_BETWEEN_OPS}",
-    ("idle", "titan"): "issue 24 item 5: pp_bubble + pp_transfer 45-220 ms above the truth's bracket on the plain "
-                       "traces (1F1B rank 1 233 vs 65-73 ms, Interleaved1F1B rank 1 502 vs 327-337 ms): in the "
-                       "pipeline window all that is not compute is bubble, so the between_ops time is "
-                       f"({_BETWEEN_OPS}); on 1F1B the first forward of rank 0 (no recv before its first send) "
-                       "also takes in the step's set-up before schedule.step (data loading, block masks: 100-130 ms), "
-                       "which pulls the pipeline window back to the step's start on every rank",
-    ("schedule_part", "titan"): "issue 24 item 5: schedule part of the bubble 19-680% above a zero-latency replay "
-                                "of what ran on the plain traces (Interleaved1F1B stage 1 124 vs 45 ms, 1F1B stage "
-                                "1 215 vs 58 ms): the bubble it is cut from holds the between_ops time (and on 1F1B "
-                                "the step's set-up and the 72-microbatch reading of the last stage)",
-}
+#: (check, mode[, schedule]) -> why pptrace gets it wrong on that case (a strict xfail, so it
+#: turns red when fixed). None today: both ways pass every check (issue 24 items 2-4 fixed
+#: the plain traces' 72 microbatches, Python between ops booked as bubble and rank 0's set-up
+#: joined to its first forward).
+XFAIL: dict = {}
 
 
 @dataclass
@@ -229,8 +205,11 @@ def test_microbatches(runs, case):
 
 @pytest.mark.parametrize("case", cases("schedule"))
 def test_schedule_named(runs, case):
+    from pptrace.vocab import canonical
+
     m = runs[case]
-    assert m.report["run"]["schedule"] == SCHEDULE_CLASSES[m.schedule]
+    # the plain trace's schedule is named by its order (1f1b), the integration's by torch's class
+    assert canonical(m.report["run"]["schedule"]) == canonical(SCHEDULE_CLASSES[m.schedule])
     assert m.report["run"]["vpp"] == (1 if m.schedule == "1F1B" else 2)
 
 

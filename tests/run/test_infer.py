@@ -1,8 +1,11 @@
 """Plain traces (no pptrace in the run) inferred: pptrace/run/infer/ (issue 12).
 
 Synthetic traces pin the rules to the microsecond: the names torch writes, peers from
-"Concrete Inputs", FIFO pairing, passes cut to their ops, the layout from pg_config or the
-p2p chain, the warning without record_shapes. Then real torch.distributed.pipelining runs on
+"Concrete Inputs", FIFO pairing, passes as the span of their action less the p2p waits (Python
+between ops is compute), a loss's own backward() calls no passes, the first stage's set-up no
+part of its first forward, the layout from pg_config or the p2p chain, the pipeline and peers
+from timing without record_shapes, one line when the structure is implausible. Then real
+torch.distributed.pipelining runs on
 4 gloo ranks (tests/pipelining_run.py, plain torch.profiler): the pipeline found and marked
 inferred, compute against the logged sleeps, idle against the truth's pipeline window,
 every send paired.
@@ -80,26 +83,29 @@ def _op(t: RankTrace, name: str, start: float, end: float) -> None:
 BWD = "autograd::engine::evaluate_function: SleepBackward"
 #: rank -> [(op, mb, start us, end us)]: the passes the traces below hold
 TRUTH = {
-    0: [("fwd", 0, 10, 100), ("fwd", 1, 125, 210), ("bwd", 0, 400, 550), ("bwd", 1, 700, 850)],
+    0: [("fwd", 0, 12, 100), ("fwd", 1, 125, 210), ("bwd", 0, 400, 550), ("bwd", 1, 700, 850)],
     1: [("fwd", 0, 110, 210), ("bwd", 0, 210, 352), ("fwd", 1, 390, 490), ("bwd", 1, 490, 650)],
 }
 
 
-def _plain_1f1b(out: Path, shapes: bool = True) -> Path:
+def _plain_1f1b(out: Path, shapes: bool = True, skew_ns: int = 0) -> Path:
+    """``skew_ns``: rank 1 on a host of its own, its clock that far off, with two all-reduces
+    at the step's end (the user's ``dp:all_reduce`` ranges) that align the clocks."""
     r0 = RankTrace(0, world_size=2, pptrace_block=False)
     r0.step(1, 0, 1000)
-    _op(r0, "aten::split", 10, 12)
+    _op(r0, "aten::split", 10, 12)  # the schedule's set-up: no part of the forward
     _op(r0, "aten::mm", 12, 40)
-    _op(r0, "aten::mm", 70, 100)  # 30 us between ops: not compute
+    _op(r0, "aten::mm", 70, 100)  # 30 us between ops: Python of the pass, compute
     _p2p(r0, True, 1, 100, 120, shapes)
-    _op(r0, "aten::mm", 125, 210)
+    _op(r0, "aten::mm", 125, 160)
+    _op(r0, "aten::mm", 180, 210)
     _p2p(r0, True, 1, 210, 230, shapes)
     _p2p(r0, False, 1, 231, 400, shapes)
     _op(r0, BWD, 400, 550)
     _p2p(r0, False, 1, 555, 700, shapes)
     _op(r0, BWD, 700, 850)
     _op(r0, "Optimizer.step#SGD.step", 860, 900)  # after the last post: no pass
-    r1 = RankTrace(1, world_size=2, pptrace_block=False)
+    r1 = RankTrace(1, world_size=2, pptrace_block=False, skew_ns=skew_ns)
     r1.step(1, 0, 1000)
     _p2p(r1, False, 0, 2, 110, shapes)
     _op(r1, "aten::mm", 110, 200)
@@ -113,6 +119,12 @@ def _plain_1f1b(out: Path, shapes: bool = True) -> Path:
     _op(r1, BWD, 490, 650)
     _p2p(r1, True, 0, 652, 700, shapes)
     _op(r1, "Optimizer.step#SGD.step", 860, 900)
+    if skew_ns:
+        for rank, t in enumerate((r0, r1)):
+            t.header["host_name"] = f"node{rank}"
+            for start in (905, 955):  # both leave at once (rank 0 arrives late); the user's own ranges
+                arrive = start + 20 * (rank == 0)
+                t.region("dp:all_reduce", arrive, start + 40 - arrive)
     return write_run(out, [r0, r1])
 
 
@@ -146,12 +158,13 @@ def test_synthetic_pipeline_and_marks(synthetic):
 def test_synthetic_passes_are_the_ops_between_posts(synthetic):
     for rank, truth in TRUTH.items():
         assert _passes(synthetic, rank) == [(op, mb, float(s), float(e)) for op, mb, s, e in truth]
-    # the 30 us without an op inside rank 0's first forward is not compute
-
+    # the 30 us without an op inside rank 0's first forward is compute; the split before it,
+    # which its other forward does not run, is not
     act = synthetic.activities[0]
     ev = synthetic.events[synthetic.events["rank"] == 0]
     t0 = RankTrace(0).raw_ns(0) + int((ev["start_ns"] - ev["raw_start_ns"]).iloc[0])  # on the aligned clock
-    assert act.compute.covered([t0 + 10_000], [t0 + 100_000])[0] == 60_000
+    assert act.compute.covered([t0 + 10_000], [t0 + 100_000])[0] == 88_000
+    assert not synthetic.events["name"].astype(str).str.contains("between_ops").any()
 
 
 def test_synthetic_sends_pair_fifo_with_peers_and_directions(synthetic):
@@ -168,16 +181,77 @@ def test_synthetic_sends_pair_fifo_with_peers_and_directions(synthetic):
     assert not [w for w in synthetic.warnings if "no matching" in w or "peers" in w]
 
 
-def test_without_record_shapes_a_warning_names_the_missing_peers(tmp_path):
+def test_without_record_shapes_the_pipeline_and_peers_come_from_timing(tmp_path):
+    """No "Concrete Inputs": rank 0 sends before it receives and rank 1's first recv completes
+    after that send (one host, one clock): 0 -> 1. Each send's direction is the pass before
+    its post, each recv's the pass after its wait, the peer the neighbouring stage, the k-th
+    send paired with the k-th recv; marked inferred, the warning says record_shapes makes it
+    exact."""
     run = load_run(_plain_1f1b(tmp_path, shapes=False), use_cache=False)
     warning = [w for w in run.warnings if "record_shapes=True" in w]
     assert len(warning) == 1
     assert "peers of 8 p2p sends/recvs" in warning[0] and "ranks [0, 1]" in warning[0]
-    assert "Concrete Inputs" in warning[0]
-    assert len(run.pairs) == 0 and "peers" not in run.inferred
+    assert "Concrete Inputs" in warning[0] and infer.NO_PEERS_HINT in warning[0]
+    assert (run.layout.pp, run.layout.dp) == (2, 1)
+    assert run.inferred["layout"].startswith("pp2 inferred from timing") and "0 -> 1" in run.inferred["layout"]
+    assert run.inferred["peers"].startswith("inferred")
+    pairs = run.pairs.sort_values(["direction", "mb"])
+    assert pairs[["src", "dst", "direction", "mb"]].to_numpy().tolist() == [
+        [1, 0, "bwd", 0], [1, 0, "bwd", 1], [0, 1, "fwd", 0], [0, 1, "fwd", 1]]
+    assert run.schedule == "1f1b" and run.microbatches == 2
     # the passes are still found: the backward's tail on the last stage is no forward
     for rank, truth in TRUTH.items():
         assert [(op, mb) for op, mb, *_ in _passes(run, rank)] == [(op, mb) for op, mb, *_ in truth]
+    assert not [w for w in run.warnings if "implausible" in w]
+
+
+def test_across_hosts_the_start_order_is_read_on_clocks_aligned_by_the_collectives(tmp_path):
+    """Rank 1 on another host, its clock 300 us behind: on the raw clocks its first recv
+    completes before rank 0's first send was posted, which no pipeline does; the step-end
+    all-reduces align the clocks first, and the order 0 -> 1 holds."""
+    run = load_run(_plain_1f1b(tmp_path, shapes=False, skew_ns=-300_000), use_cache=False)
+    assert (run.layout.pp, run.layout.dp) == (2, 1)
+    assert "0 -> 1" in run.inferred["layout"] and "aligned clocks" in run.inferred["layout"]
+    assert len(run.pairs) == 4
+
+
+def test_two_pipelines_from_timing():
+    """dp 2 x pp 2, no peers: ranks 0 and 1 send first (two pipelines), ranks 2 and 3 follow in
+    the order their first recv completed; a recv completing before any send was posted is
+    no pipeline."""
+    import pandas as pd
+
+    from pptrace.run.infer.pipeline import _timing_chain
+
+    def ops(rows):  # (rank, is_send, post, end) in step 1
+        f = pd.DataFrame(rows, columns=["rank", "is_send", "post_start", "end_ns"])
+        return f.assign(step=1, start_ns=f["post_start"] + 5, peer=-1)
+
+    found = _timing_chain(ops([(0, True, 100, 120), (1, True, 110, 130), (2, False, 5, 125), (3, False, 6, 140),
+                               (2, True, 300, 320), (3, True, 310, 330)]), None)
+    assert found == ({0: 0, 1: 0, 2: 1, 3: 1}, 2, [[0, 2], [1, 3]])
+    assert _timing_chain(ops([(0, True, 100, 120), (1, False, 5, 90)]), None) is None
+    # on clocks that say rank 1's times read 50 ns early, its recv completes after the send
+    assert _timing_chain(ops([(0, True, 100, 120), (1, False, 5, 90)]), {1: -50}) == ({0: 0, 1: 1}, 2, [[0, 1]])
+
+
+def test_an_unplaced_p2p_wait_is_never_transfer(tmp_path):
+    """No peer and no order that a pipeline has (both ranks receive first): the gloo ranges
+    stay foreign rows, their time is no pp_transfer."""
+    from pptrace.analysis import analyze
+
+    traces = []
+    for rank in (0, 1):
+        t = RankTrace(rank, world_size=2, pptrace_block=False)
+        t.step(1, 0, 1000)
+        _p2p(t, False, 1 - rank, 10, 400, shapes=False)
+        _op(t, "aten::mm", 400, 500)
+        _p2p(t, True, 1 - rank, 500, 520, shapes=False)
+        traces.append(t)
+    report = analyze(write_run(tmp_path, traces), use_cache=False).to_json()
+    assert report["run"]["layout"]["pp"] == 1
+    assert all(s["breakdown_s"]["pp_transfer"] == 0 for r in report["ranks"] for s in r["steps"])
+    assert any("never booked as transfer" in w for w in report["warnings"])
 
 
 def test_a_traced_pipeline_is_left_alone(tmp_path):
@@ -187,6 +261,77 @@ def test_a_traced_pipeline_is_left_alone(tmp_path):
     pipeline_run(tmp_path, pp=2, microbatches=2, steps=(1,))
     run = load_run(tmp_path, use_cache=False)
     assert run.inferred == {} and not run.events["inferred"].any()
+
+
+LOSS_BWD = "autograd::engine::evaluate_function: MmBackward0"
+
+
+def test_a_losss_own_backward_calls_and_a_wait_inside_a_pass_are_no_passes(tmp_path):
+    """torchtitan's chunked loss calls backward() per chunk between the last stage's forward
+    and its backward, with no post between: the stage's backward is the last autograd run
+    before its send, the earlier ones its forward's loss. torch's 1F1B clears the previous
+    forward send after the next forward (a wait returning inside the ops between two posts):
+    the forward ends with its last op before that wait."""
+    r0 = RankTrace(0, world_size=2, pptrace_block=False)
+    r0.step(1, 0, 1000)
+    _op(r0, "aten::mm", 10, 100)
+    _p2p(r0, True, 1, 100, 300)       # waited at 300, after the next forward
+    _op(r0, "aten::mm", 105, 200)
+    _op(r0, "aten::detach", 300, 302)  # the next send's output, after the wait
+    _p2p(r0, True, 1, 305, 330)
+    _p2p(r0, False, 1, 331, 500)
+    _op(r0, BWD, 500, 600)
+    _p2p(r0, False, 1, 605, 800)
+    _op(r0, BWD, 800, 900)
+    r1 = RankTrace(1, world_size=2, pptrace_block=False)
+    r1.step(1, 0, 1000)
+    _p2p(r1, False, 0, 2, 110)
+    for start in (110, 400):  # forward, the loss's two chunks (each with its backward()), backward
+        _op(r1, "aten::mm", start, start + 90)
+        _op(r1, "aten::mse_loss", start + 90, start + 95)
+        _op(r1, LOSS_BWD, start + 95, start + 100)
+        _op(r1, "aten::mse_loss", start + 102, start + 105)
+        _op(r1, LOSS_BWD, start + 105, start + 110)
+        _op(r1, "aten::ones_like", start + 112, start + 114)  # torch's stage code between loss and backward
+    _op(r1, BWD, 230, 350)
+    _p2p(r1, True, 0, 355, 380)
+    _p2p(r1, False, 0, 380, 400)
+    _op(r1, BWD, 520, 640)
+    _p2p(r1, True, 0, 652, 700)
+    run = load_run(write_run(tmp_path, [r0, r1]), use_cache=False)
+    assert _passes(run, 0) == [("fwd", 0, 10.0, 100.0), ("fwd", 1, 105.0, 200.0), ("bwd", 0, 500.0, 600.0),
+                               ("bwd", 1, 800.0, 900.0)]
+    assert _passes(run, 1) == [("fwd", 0, 110.0, 224.0), ("bwd", 0, 230.0, 350.0), ("fwd", 1, 400.0, 514.0),
+                               ("bwd", 1, 520.0, 640.0)]
+    assert (run.schedule, run.microbatches) == ("1f1b", 2)
+    assert not [w for w in run.warnings if "implausible" in w]
+
+
+def test_an_implausible_structure_is_said_in_one_line_and_the_p2p_count_wins():
+    """72 forwards a step where the p2p carries 8 microbatches, 2 ms passes in a 1.4 s step."""
+    import pandas as pd
+
+    from pptrace.run.infer.consistency import check_structure
+    from pptrace.run.infer.result import Inference
+
+    n = 72
+    passes = pd.DataFrame({"rank": 1, "step": 1, "start_ns": np.arange(2 * n) * 3_000_000,
+                           "op": ["fwd", "bwd"] * n, "mb": np.repeat(np.arange(n), 2), "chunk": 0})
+    passes["end_ns"] = passes["start_ns"] + 2_000_000
+    ops = pd.DataFrame({"rank": [0] * 8 + [1] * 8, "step": 1, "is_send": [True] * 8 + [False] * 8, "dir": "fwd"})
+    steps = pd.DataFrame({"rank": [0, 1], "step": 1, "start_ns": 0, "end_ns": 1_400_000_000})
+    out = Inference(events=None, microbatches=n, vpp=1)
+    check_structure(passes, ops, steps, {0: 0, 1: 1}, 2, False, out)
+    assert out.microbatches == 8 and "the passes disagree" in out.inferred["microbatches"]
+    (line,) = out.warnings
+    assert line.startswith("the inferred pipeline looks implausible: the p2p carries 8 microbatches")
+    assert "rank 1 step 1 runs 72 forwards and 72 backwards, not 8" in line
+    assert "rank 1's median pass is 2.00 ms" in line
+    # the same passes, right in number and size: nothing to say
+    fine = passes[passes["mb"] < 8].assign(end_ns=lambda f: f["start_ns"] + 80_000_000)
+    out = Inference(events=None, microbatches=8, vpp=1)
+    check_structure(fine, ops, steps, {0: 0, 1: 1}, 2, False, out)
+    assert out.warnings == [] and out.microbatches == 8
 
 
 # --------------------------------------------------------------------------------------
@@ -294,8 +439,9 @@ def test_plain_pipeline_found_and_marked_inferred(plain):
 
 @pytest.mark.slow
 def test_plain_compute_lies_between_the_sleeps_and_the_passes(plain):
-    """Compute is the passes' ops: at least the sleeps, at most the passes as torch ran them
-    (autograd and the profiler around each sleep) plus the rank's work outside the schedule."""
+    """Compute is the passes (their first op to their last, Python between them included):
+    at least the sleeps, at most the passes as torch ran them (autograd and the profiler
+    around each sleep) plus the rank's work outside the schedule."""
     assert_inside(compute_brackets(plain.report, plain.truth, PROFILED, sleeps, passes_and_own_work), "compute")
 
 

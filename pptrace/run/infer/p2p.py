@@ -16,7 +16,7 @@ _GROUP_DESC = {
     "CONTEXT_PARALLEL_GROUP": "cp", "mesh_pp": "pp", "mesh_tp": "tp", "mesh_cp": "cp",
 }
 NO_PEERS_HINT = ("profile with record_shapes=True (torch.profiler) so pptrace can pair p2p sends "
-                 "with recvs")
+                 "with recvs exactly")
 
 
 def _process_groups(metas: dict) -> dict:
@@ -95,15 +95,32 @@ def p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
         "stage": ops["n_stage"].fillna(-1).to_numpy(np.int64), "dir": ops["n_dir"].fillna("").to_numpy(object),
         "mb": ops["n_mb"].fillna(-1).to_numpy(np.int64), "bytes": ops["bytes"].astype("Int64"),
     }).sort_values(["rank", "start_ns"], kind="stable").reset_index(drop=True)
-    unknown = ops[ops["peer"] < 0]
-    if len(unknown):
-        ranks = sorted(int(r) for r in unknown["rank"].unique())
-        out.warnings.append(
-            f"the peers of {len(unknown)} p2p sends/recvs (gloo:send / gloo:recv on ranks {ranks[:8]}) are "
-            "unknown: their c10d::send / c10d::recv_ carry no 'Concrete Inputs'; " + NO_PEERS_HINT)
     if (ops["peer"] >= 0).any():
         out.inferred["peers"] = "'Concrete Inputs' of the c10d::send / c10d::recv_ posts (group rank -> global)"
     return ops
+
+
+def peers_said(ops: pd.DataFrame, unknown: np.ndarray, out: Inference) -> None:
+    """One warning for the p2p ops whose post names no peer (``unknown``: a mask of ``ops``
+    before fill_peers; ``ops`` after it), and how the placed ones were inferred."""
+    if not unknown.any():
+        return
+    ranks = sorted(int(r) for r in np.unique(ops["rank"].to_numpy()[unknown]))
+    placed = unknown & (ops["peer"].to_numpy(np.int64) >= 0)
+    said = (f"the peers of {int(unknown.sum())} p2p sends/recvs (gloo:send / gloo:recv on ranks {ranks[:8]}) are not "
+            "in the trace: their c10d::send / c10d::recv_ carry no 'Concrete Inputs'; ")
+    if placed.any():
+        out.inferred["peers"] = (
+            "inferred (no 'Concrete Inputs' on the gloo posts): each op's direction from its PP: name or the pass "
+            "before a send's post / after a recv's wait, its peer the neighbouring stage, the k-th send of a rank "
+            "paired with the k-th recv of its neighbour in that direction; record_shapes=True makes it exact")
+        left = int((unknown & ~placed).sum())
+        said += ("pptrace inferred them from the stage order and the order of the sends and recvs" if not left else
+                 f"pptrace inferred {int(placed.sum())} from the stage order and their order; {left} it could not "
+                 "place are left out of the pipeline's p2p (never booked as transfer)")
+    else:
+        said += "they are left out of the pipeline's p2p (never booked as transfer)"
+    out.warnings.append(f"{said}; {NO_PEERS_HINT}")
 
 
 def _global_peers(rank: np.ndarray, group_peer: np.ndarray, metas: dict) -> np.ndarray:

@@ -35,8 +35,9 @@ def infer_passes(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFrame, step
 
 def _named_passes(rows: pd.DataFrame, work: pd.DataFrame, pp: int) -> pd.DataFrame:
     """Passes from named ranges, each cut to after the last recv ending inside it (the wait
-    on its input) and before the first send posted inside it (GPipe posts its output in
-    it), then to its ops: from the first that starts in it to the last that ends in it."""
+    on its input; else from its first op) and before the first send posted inside it (GPipe
+    posts its output in it), ending with the last op in it: Python between its ops is its
+    compute."""
     named = rows[rows["kind"].isin(["pass", "gpipe"])]
     overlap = rows[rows["kind"] == "overlap"]
     if len(overlap):
@@ -53,16 +54,40 @@ def _named_passes(rows: pd.DataFrame, work: pd.DataFrame, pp: int) -> pd.DataFra
     # alone bound it
     own = ~named["overlap"].fillna(False).to_numpy(bool) if "overlap" in named else np.ones(len(named), bool)
     found, got = _nearest(recvs, "end_ns", rank, end, after=False)  # the last recv of the rank ending by then
-    start = np.where(found & (got > start) & own, got, start)
+    waited = found & (got > start) & own
+    start = np.where(waited, got, start)
     found, got = _nearest(sends, "start_ns", rank, start, after=True)  # its first send posted from then on
-    end = np.where(found & (got < end), got, end)
-    start, end = _to_ops(work, rank, start, end)
+    sent = found & (got < end)
+    end = np.where(sent, got, end)
+    end = _with_loss(named, rows, work, rank, end, sent)
+    # A pass runs from its wait's return (the pass function's Python before its first op:
+    # hooks, FSDP's pre-forward, are its compute) to its last op; what the schedule runs
+    # after it (building and posting the sends) is host cost between passes (whatif/costs.py),
+    # as is its Python before the first op of an action that waited for nothing.
+    op_start, end = _to_ops(work, rank, start, end)
+    start = np.where(waited, start, op_start)
     stage = named["stage"].to_numpy(np.int64)
     return pd.DataFrame({
         "rank": rank, "pid": named["pid"].to_numpy(), "tid": named["tid"].to_numpy(), "step": named["step"].to_numpy(),
         "start_ns": start, "end_ns": np.maximum(end, start), "op": named["act"].map(OP_OF_ACTION).to_numpy(object),
         "mb": named["mb"].to_numpy(np.int64), "chunk": np.where(stage >= 0, stage // max(pp, 1), 0),
     })[_PASS_COLUMNS]
+
+
+def _with_loss(named: pd.DataFrame, rows: pd.DataFrame, work: pd.DataFrame, rank, end, sent) -> np.ndarray:
+    """GPipe computes the last stage's loss after its ``Forward i`` range, before the next
+    range: a forward that posts no send (the last stage's) ends with the last op before the
+    rank's next pass range, that microbatch's loss being part of its forward."""
+    gpipe = rows[rows["kind"] == "gpipe"]
+    last = (named["kind"] == "gpipe").to_numpy() & (named["act"] == "F").to_numpy() & ~sent
+    if not last.any():
+        return end
+    q_rank, q_end = rank[last], named["end_ns"].to_numpy(np.int64)[last]
+    has_next, next_start = _nearest(gpipe, "start_ns", q_rank, q_end, after=True)
+    has_op, op_end = _nearest(work, "end_ns", q_rank, next_start, after=False)
+    out = end.copy()
+    out[last] = np.where(has_next & has_op & (op_end > end[last]), op_end, end[last])
+    return out
 
 
 def _nearest(frame: pd.DataFrame, column: str, rank: np.ndarray, t: np.ndarray, after: bool) -> tuple:
@@ -131,17 +156,18 @@ def _passes_between_posts(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFr
                           steps: pd.DataFrame) -> pd.DataFrame:
     """Passes of schedules that name none (Schedule1F1B, Megatron): the main thread's ops
     between p2p posts (between two posts the thread may wait for a p2p range, then runs
-    ops). Runs of autograd ops (``autograd::engine::evaluate_function`` and what they
-    contain) are backwards, the runs between them forwards; a pass spans its first op to
-    its last. A forward must hand its output on: a send posted next, or a backward right
-    after it (the last stage); other runs of ops are not passes (set-up before a recv, the
-    optimizer after the step's last post)."""
+    ops). The last run of autograd ops (``autograd::engine::evaluate_function`` and what
+    they contain) between two posts is a backward, earlier ones its microbatch's loss, the
+    runs between backwards forwards; a pass spans its first op to its last (Python between
+    them is its compute) before a p2p wait returns inside it. A forward must hand its output
+    on: a send posted next, or a backward right after it (the last stage); other runs of ops
+    are not passes (set-up before a recv, the optimizer after the step's last post)."""
     ranks = np.unique(rows["rank"].to_numpy())
     ranks = ranks[np.isin(ranks, steps["rank"].to_numpy()) & np.isin(ranks, work["rank"].to_numpy())]
     post_dirs = dict(zip(ops["post_index"], ops["dir"])) if len(ops) else {}
     passes = _ops_passes(ranks, steps[steps["rank"].isin(ranks).to_numpy()],
                          rows[(rows["kind"] == "post").to_numpy() & rows["rank"].isin(ranks).to_numpy()],
-                         work[work["rank"].isin(ranks).to_numpy()], post_dirs)
+                         work[work["rank"].isin(ranks).to_numpy()], post_dirs, ops[["rank", "end_ns"]])
     if passes.empty:
         return pd.DataFrame(columns=_PASS_COLUMNS)
     passes = _one_forward_per_backward(passes)
@@ -152,7 +178,7 @@ def _passes_between_posts(rows: pd.DataFrame, ops: pd.DataFrame, work: pd.DataFr
 
 
 def _ops_passes(ranks: np.ndarray, steps: pd.DataFrame, posts: pd.DataFrame, work: pd.DataFrame,
-                post_dirs: dict) -> pd.DataFrame:
+                post_dirs: dict, wires: pd.DataFrame | None = None) -> pd.DataFrame:
     """The passes of _passes_between_posts, every rank at once (``ranks``: sorted, each with
     steps and ops), with ``unsure`` forwards. Each rank's timeline is cut at its posts and
     step bounds: the cuts of all ranks lie in one array, by rank, then time, and the
@@ -199,6 +225,14 @@ def _ops_passes(ranks: np.ndarray, steps: pd.DataFrame, posts: pd.DataFrame, wor
     sends = sends.groupby(batch).transform("any")
     fwd_next, bwd_next, known_fwd_next = (sends[c].to_numpy(bool) for c in ("fwd", "bwd", "known"))
     runs = _runs(iv, ws, we, in_auto)
+    # A loss may call backward() itself (torchtitan's ChunkedLossWrapper: once per sequence
+    # chunk) between the last stage's forward and its backward, with no post in between:
+    # the stage's backward is the last run of autograd ops before the post that follows,
+    # the earlier ones are that microbatch's loss, part of its forward.
+    nested = _nested_backwards(runs)
+    if nested.any():
+        in_auto = in_auto & ~nested[runs["id"]]
+        runs = _runs(iv, ws, we, in_auto)
     # ops after a backward that end in a backward send belong to that backward (the last
     # stage hands its input grad on)
     r_iv, r_auto, first_in_iv, last_in_iv = runs["iv"], runs["auto"], runs["first_in_iv"], runs["last_in_iv"]
@@ -218,6 +252,17 @@ def _ops_passes(ranks: np.ndarray, steps: pd.DataFrame, posts: pd.DataFrame, wor
     sure = ~r_auto & last_in_iv & send_next & (known_fwd_next[r_iv + 1] | ~after_bwd)
     setup = (cut_k[r_iv] == 0) & ~fwd_next[r_iv + 1]
     unsure = ~r_auto & ~sure & ~setup & (cut_k[r_iv + 1] != 3)
+    # a wait that returns inside a run (the previous send's, which torch's 1F1B clears after
+    # the next forward) is no compute: the pass ends with its last op before it
+    r_last = _before_waits(runs, cut_r[r_iv], iv, ws, we, wires, ranks)
+    # the first stage's first forward of a step has no recv before it, so its interval takes
+    # in the step's set-up (data loading, masks) too: it starts where an op like its other
+    # forwards' first begins, as many ops before its end as they hold. Those that open their
+    # interval show how a forward begins; one after a backward in the same interval begins
+    # with what the backward ran after its last autograd op.
+    clean = sure & (cut_k[r_iv] != 0) & first_in_iv
+    r_first = _without_setup(runs, sure & (cut_k[r_iv] == 0), clean if clean.any() else sure & (cut_k[r_iv] != 0),
+                             cut_r[r_iv], ws, work["code"].to_numpy(np.int64)[ok][o], r_first, r_last)
     sel = (r_auto | sure | unsure) & (r_last > r_first)
     r_lane = cut_r[r_iv[sel]]
     # the rank's thread: that of its first op
@@ -234,6 +279,77 @@ def _ops_passes(ranks: np.ndarray, steps: pd.DataFrame, posts: pd.DataFrame, wor
         "start_ns": r_first[sel], "end_ns": r_last[sel], "op": np.where(r_auto[sel], BWD, FWD), "chunk": 0,
         "unsure": unsure[sel],
     })
+
+
+def _nested_backwards(runs: dict) -> np.ndarray:
+    """Per run: an autograd run with another autograd run after it in its interval."""
+    auto = np.flatnonzero(runs["auto"])
+    out = np.zeros(len(runs["iv"]), bool)
+    if len(auto) > 1:
+        later = auto[1:]
+        out[auto[:-1]] = runs["iv"][later] == runs["iv"][auto[:-1]]
+    return out
+
+
+def _before_waits(runs: dict, r_lane, iv, ws, we, wires: pd.DataFrame, ranks) -> np.ndarray:
+    """Each run's end, moved back to the end of its last op that starts before the first p2p
+    wait returning inside it (a gloo range ends when its wait() returns on the main thread)."""
+    last = runs["last"]
+    if wires is None or wires.empty:
+        return last
+    wired = np.isin(wires["rank"].to_numpy(np.int64), ranks)
+    w_rank = np.searchsorted(ranks, wires["rank"].to_numpy(np.int64)[wired])
+    ends = wires["end_ns"].to_numpy(np.int64)[wired]
+    found, w = _nearest(pd.DataFrame({"rank": w_rank, "end_ns": ends}), "end_ns", r_lane, runs["first"] + 1, after=True)
+    cut = found & (w < last)
+    if not cut.any():
+        return last
+    # ops are sorted by (interval, start): the last op of the run starting before w, and
+    # the latest end of the run's ops up to it
+    key, q_key = lane_keys([iv, runs["iv"][cut]], [ws, w[cut]])
+    last_op = np.r_[runs["at"][1:], len(ws)] - 1
+    k = np.clip(np.searchsorted(key, q_key, side="left") - 1, runs["at"][cut], last_op[cut])
+    reach = pd.Series(we).groupby(runs["id"]).cummax().to_numpy(np.int64)
+    out = last.copy()
+    out[cut] = reach[k]
+    return out
+
+
+def _without_setup(runs: dict, setup: np.ndarray, other: np.ndarray, r_lane, ws, code, first, last) -> np.ndarray:
+    """The start of each ``setup`` run (a forward that may hold the step's set-up before it)
+    moved to the op that begins the rank's other forwards (``other``: their first op's name,
+    the most common one) nearest to as many ops before the run's end as those hold (their
+    median), where the run holds more; the other runs' starts as they are."""
+    if not setup.any() or not other.any():
+        return first
+    at = runs["at"]
+    count = np.diff(np.r_[at, len(ws)])
+    ref = pd.DataFrame({"lane": r_lane[other], "n": count[other], "code": code[at[other]]})
+    n_ref = ref.groupby("lane")["n"].median()
+    common = ref.groupby(["lane", "code"]).size().reset_index(name="times")
+    common = common.sort_values(["lane", "times"], ascending=[True, False], kind="stable").drop_duplicates("lane")
+    code_ref = pd.Series(common["code"].to_numpy(), index=common["lane"].to_numpy())
+    lanes = r_lane[setup]
+    n = pd.Series(lanes).map(n_ref).to_numpy(float)
+    c = pd.Series(lanes).map(code_ref).fillna(-1).to_numpy(np.int64)
+    runs_at, runs_n = at[setup], count[setup]
+    keep = np.isfinite(n) & (runs_n > n)
+    if not keep.any():
+        return first
+    target = runs_at + runs_n - np.round(np.nan_to_num(n)).astype(np.int64)  # the op as many ops before its end
+    # every op of the kept runs, with its distance to its run's target where its name fits
+    which = np.flatnonzero(keep)
+    span = runs_n[which]
+    owner = np.repeat(which, span)
+    pos = np.repeat(runs_at[which], span) + (np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span))
+    fits = code[pos] == c[owner]
+    dist = np.where(fits, np.abs(pos - target[owner]), np.iinfo(np.int64).max)
+    best = pd.Series(dist).groupby(owner).idxmin().to_numpy()
+    chosen = np.where(dist[best] < np.iinfo(np.int64).max, pos[best], target[np.unique(owner)])
+    out = first.copy()
+    idx = np.flatnonzero(setup)[np.unique(owner)]
+    out[idx] = np.minimum(ws[chosen], last[idx])
+    return out
 
 
 def _one_forward_per_backward(passes: pd.DataFrame) -> pd.DataFrame:
@@ -261,7 +377,7 @@ def _runs(iv: np.ndarray, ws: np.ndarray, we: np.ndarray, auto: np.ndarray) -> d
     at = np.flatnonzero(new)
     r_iv = iv[at]
     return {
-        "id": np.cumsum(new) - 1, "iv": r_iv, "auto": auto[at], "first": ws[at],
+        "id": np.cumsum(new) - 1, "iv": r_iv, "auto": auto[at], "first": ws[at], "at": at,
         "last": np.maximum.reduceat(we, at),
         "first_in_iv": np.r_[True, r_iv[1:] != r_iv[:-1]], "last_in_iv": np.r_[r_iv[1:] != r_iv[:-1], True],
     }

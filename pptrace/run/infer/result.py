@@ -23,3 +23,5 @@ class Inference:
     #: what was inferred -> how, one line each (Run.inferred)
     inferred: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
+    #: rank -> the ranks of its pipeline by position, where the pipeline says (fill_peers)
+    groups: dict = field(default_factory=dict)

@@ -18,8 +18,9 @@ def fill_schedule(rows: pd.DataFrame, passes: pd.DataFrame, stage_of, pp, v: int
         return passes
     by_order = bool(passes.attrs.get("by_order")) and not (kinds & {"pass", "gpipe", "overlap"})
     out.inferred["passes"] = (
-        "from the main thread's ops between p2p posts (no pass names; backward = autograd ops; "
-        "mb and chunk by their order)" if by_order else
+        "from the main thread's ops between p2p posts (no pass names; a backward is the last run of autograd "
+        "ops before a post, a loss's own backward() calls part of its forward; mb and chunk by their order)"
+        if by_order else
         "from PyTorch's pass ranges (PP:<stage><action><mb>, Forward i / Backward i), less the recv wait they include")
     out.inferred["p2p"] = "gloo:send / gloo:recv ranges, from the post until wait() returned"
     named = rows[rows["kind"] == "pass"]

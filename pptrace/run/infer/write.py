@@ -1,54 +1,15 @@
-"""The inference written into the events table: p2p, pass and between-ops rows appended
-(cat ``pptrace_inferred``), the foreign rows left as the trace has them."""
+"""The inference written into the events table: p2p and pass rows appended (cat
+``pptrace_inferred``), the foreign rows left as the trace has them."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from ...sweeps import lane_keys
-from ...timeline.intervals import union
 
-#: Inside a pass, a stretch this long in which the main thread runs no op is not compute
-#: (Python between ops): shorter ones are part of the pass.
-MIN_GAP_NS = 20_000
-
-
-def find_gaps(passes: pd.DataFrame, work: pd.DataFrame) -> pd.DataFrame:
-    """Per rank, the stretches of at least MIN_GAP_NS inside its passes where no op runs."""
-    columns = ["rank", "pid", "tid", "step", "start_ns", "end_ns"]
-    if passes.empty:
-        return pd.DataFrame(columns=columns)
-    ranks = np.unique(passes["rank"].to_numpy())
-    work = work[work["rank"].isin(ranks).to_numpy()]
-    p_rank, w_rank = np.searchsorted(ranks, passes["rank"].to_numpy()), np.searchsorted(ranks, work["rank"].to_numpy())
-    p_start, p_end = passes["start_ns"].to_numpy(np.int64), passes["end_ns"].to_numpy(np.int64)
-    w_start, w_end = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
-    # each rank's times moved onto a stretch of the time line of its own (apart from the
-    # next one's), so that one union and one difference do every rank
-    times = np.concatenate([p_start, p_end, w_start, w_end])
-    t0, span = times.min(), times.max() - times.min() + 1
-    p_shift, w_shift = p_rank * span - t0, w_rank * span - t0
-    gaps = union(p_start + p_shift, p_end + p_shift) - union(w_start + w_shift, w_end + w_shift)
-    keep = (gaps.ends - gaps.starts) >= MIN_GAP_NS
-    if not keep.any():
-        return pd.DataFrame(columns=columns)
-    k = gaps.starts[keep] // span  # the rank of each gap
-    s, e = gaps.starts[keep] - k * span + t0, gaps.ends[keep] - k * span + t0
-    # the step of the rank's last pass starting by the gap's start; the thread of its first pass
-    order = np.lexsort((p_start, p_rank))
-    o_rank = p_rank[order]
-    key, q_key = lane_keys([o_rank, k], [p_start[order], s])
-    first = np.searchsorted(o_rank, k, side="left")
-    last = np.maximum(np.searchsorted(key, q_key, side="right") - 1, first)
-    return pd.DataFrame({"rank": ranks[k].astype(np.int64), "pid": passes["pid"].to_numpy()[order[first]],
-                         "tid": passes["tid"].to_numpy()[order[first]], "step": passes["step"].to_numpy()[order[last]],
-                         "start_ns": s, "end_ns": e})
-
-
-def write_inference(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame, gaps: pd.DataFrame) -> pd.DataFrame:
+def write_inference(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame) -> pd.DataFrame:
     """events with the inferred rows appended (the foreign rows stay as they are)."""
-    rows = [r for r in (_p2p_rows(ops), _pass_rows(passes), _gap_rows(gaps)) if r is not None]
+    rows = [r for r in (_p2p_rows(ops), _pass_rows(passes)) if r is not None]
     if not rows:
         return events
     new = {}
@@ -107,26 +68,6 @@ def _p2p_rows(ops: pd.DataFrame) -> dict | None:
         "kind": np.full(n, "pp", dtype=object), "op": op, "mb": _int_column(mb), "chunk": _int_column(chunk),
         "peer": _int_column(peer), "bytes": _int_column(size), "category": np.full(n, "p2p", dtype=object),
         "step": ops["step"].to_numpy(np.int32), "inferred": np.ones(n, dtype=bool),
-    }
-
-
-def _gap_rows(gaps: pd.DataFrame) -> dict | None:
-    """``host:between_ops`` rows (category other) nested in the passes: where the thread ran
-    no op, which the step partition then does not count as compute (a deeper range)."""
-    if gaps is None or gaps.empty:
-        return None
-    n = len(gaps)
-    start, end = gaps["start_ns"].to_numpy(np.int64), gaps["end_ns"].to_numpy(np.int64)
-    return {
-        "rank": gaps["rank"].to_numpy(np.int32), "lane": np.full(n, "main", dtype=object),
-        "lane_kind": np.full(n, "host", dtype=object), "pid": gaps["pid"].to_numpy(np.int64),
-        "tid": gaps["tid"].to_numpy(np.int64), "name": np.full(n, "host:between_ops", dtype=object),
-        "cat": np.full(n, "pptrace_inferred", dtype=object), "start_ns": start, "end_ns": end, "dur_ns": end - start,
-        "kind": np.full(n, "host", dtype=object), "op": np.full(n, "between_ops", dtype=object),
-        "mb": _int_column(np.full(n, -1)), "chunk": _int_column(np.full(n, -1)),
-        "peer": _int_column(np.full(n, -1)), "bytes": _int_column(np.full(n, -1)),
-        "category": np.full(n, "other", dtype=object), "step": gaps["step"].to_numpy(np.int32),
-        "inferred": np.ones(n, dtype=bool),
     }
 
 
