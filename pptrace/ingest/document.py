@@ -12,6 +12,10 @@ only the fields the table needs (everything else is skipped, never built); a sli
 rejects (invalid UTF-8, NaN, an odd value) is parsed by orjson/json into dicts instead, which
 give the same table. The header (top-level metadata) is read without the events
 (:func:`read_header`), from the cache where an entry is valid.
+
+One module though just past 500 lines: reading the bytes, locating the events, slicing,
+decoding, and salvaging a damaged document (too deep, not UTF-8, cut short) are one job on
+one buffer, whose offsets every part shares.
 """
 from __future__ import annotations
 
