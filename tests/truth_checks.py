@@ -57,12 +57,24 @@ def loss_calls(truth: dict, step: int) -> dict:
     return {(f["stage"], f["mb"]): call for f, call in zip(forwards, s.get("losses", ()))}
 
 
-def passes_and_own_work(truth: dict, step: int) -> list:
-    """Everything this rank may have computed in ``step``: its passes, and its step outside
-    ``schedule.step()`` less the closing all-reduce (zero_grad, the grad norm, the optimizer)."""
+def _own_work(truth: dict, step: int) -> list:
+    """The rank's step outside ``schedule.step()`` less the closing all-reduce (zero_grad, the
+    grad norm, the optimizer)."""
     s = truth_step(truth, step)
-    return [*passes(truth, step), (s["start_epoch_ns"], s["pipeline_start_epoch_ns"]),
-            (s["pipeline_end_epoch_ns"], s["reduce_start_epoch_ns"]), (s["reduce_end_epoch_ns"], s["end_epoch_ns"])]
+    return [(s["start_epoch_ns"], s["pipeline_start_epoch_ns"]), (s["pipeline_end_epoch_ns"], s["reduce_start_epoch_ns"]),
+            (s["reduce_end_epoch_ns"], s["end_epoch_ns"])]
+
+
+def passes_and_own_work(truth: dict, step: int) -> list:
+    """Everything this rank may have computed in ``step``: its passes and its own work."""
+    return [*passes(truth, step), *_own_work(truth, step)]
+
+
+def passes_to_posts_and_own_work(truth: dict, step: int) -> list:
+    """:func:`passes_and_own_work` with each pass stretched to the p2p calls beside it: what a
+    plain trace's pass may hold, from where its input's wait returned (torch's bookkeeping
+    between that wait and its pass function included)."""
+    return [*passes_to_posts(truth, step), *_own_work(truth, step)]
 
 
 def covered(spans, lo: int, hi: int) -> int:

@@ -27,7 +27,7 @@ from pptrace.run.build import load_run
 from pptrace.topology import Layout
 from tracegen import RankTrace, write_run
 from truth_checks import (Bracket, assert_inside, check_dashboard, check_whatif_replay, compute_brackets, covered,
-                          idle_brackets, megatron_frames_to_posts, megatron_sleeps, passes, passes_and_own_work,
+                          idle_brackets, megatron_frames_to_posts, megatron_sleeps, passes, passes_to_posts_and_own_work,
                           passes_to_posts, sends_per_step, sleeps)
 
 
@@ -439,10 +439,12 @@ def test_plain_pipeline_found_and_marked_inferred(plain):
 
 @pytest.mark.slow
 def test_plain_compute_lies_between_the_sleeps_and_the_passes(plain):
-    """Compute is the passes (their first op to their last, Python between them included):
-    at least the sleeps, at most the passes as torch ran them (autograd and the profiler
-    around each sleep) plus the rank's work outside the schedule."""
-    assert_inside(compute_brackets(plain.report, plain.truth, PROFILED, sleeps, passes_and_own_work), "compute")
+    """Compute is the passes (from where their input's wait returned to their last op, Python
+    between them included): at least the sleeps, at most the passes as torch ran them
+    (autograd and the profiler around each sleep) stretched to the p2p calls beside them, plus
+    the rank's work outside the schedule."""
+    assert_inside(compute_brackets(plain.report, plain.truth, PROFILED, sleeps, passes_to_posts_and_own_work),
+                  "compute")
 
 
 @pytest.mark.slow

@@ -166,6 +166,18 @@ def _pass_bracket(report, out, stage: int, key: str) -> Bracket:
     return Bracket(_stage(report, stage)[key], least, most)
 
 
+def _pass_slowdown(out, rank: int, steps) -> float:
+    """The median over ``steps`` of ``rank``'s pass time over the median other rank's, less
+    one: the truth of a compute straggler's slowdown (the trainer times every pass)."""
+    truths = [orjson.loads(f.read_bytes()) for f in sorted((out / "truth").glob("rank*.json"))]
+    per_step = []
+    for step in steps:
+        busy = {t["rank"]: sum(end - start for *_, start, end in t["steps"][str(step)]) for t in truths}
+        others = np.median([s for r, s in busy.items() if r != rank])
+        per_step.append(busy[rank] / others - 1)
+    return float(np.median(per_step))
+
+
 def _check_passes(report, out, keys=("t_fwd_s", "t_bwd_s")) -> None:
     assert (out / "truth").is_dir(), "sleep mode wrote no truth"
     assert_inside({(stage, key): _pass_bracket(report, out, stage, key) for stage in range(P) for key in keys},
@@ -235,7 +247,9 @@ def test_delay_names_the_straggler_and_moves_bubble_to_the_others(trainer_run):
     top = slow["stragglers"][0]
     assert top["rank"] == DELAYED_RANK and top["metric"] == "compute"
     assert top["cost_s"] == pytest.approx(M * DELAY_S, rel=0.3)
-    assert top["slowdown"] == pytest.approx(DELAY_S / (T_F + T_B), rel=0.3)
+    # its slowdown is that of the passes it ran, as the trainer timed them (a loaded box
+    # stretches every rank's passes beyond their sleeps: not a fixed 5 / (10 + 20))
+    assert top["slowdown"] == pytest.approx(_pass_slowdown(out, DELAYED_RANK, slow["run"]["steps"]), rel=0.3)
     bubbles = _stage_bubbles(slow)
     others = np.delete(bubbles, DELAYED_RANK)
     # the others' bubble exceeds the straggler's by about m x delay ...
