@@ -121,7 +121,8 @@ class _Codes:
         would fail on it), written as U+FFFD."""
         codes = _join(pieces, np.int32)
         values = list(self.lookup)
-        bad = [i for i, v in enumerate(values) if _SURROGATE.search(v)]
+        # one search over every value at once: almost every trace has none
+        bad = [i for i, v in enumerate(values) if _SURROGATE.search(v)] if _SURROGATE.search("".join(values)) else []
         if not bad:
             return pd.Categorical.from_codes(codes, categories=pd.Index(values, dtype=object)), 0
         for i in bad:
@@ -142,14 +143,16 @@ def _int64(values: list) -> np.ndarray:
         return np.asarray([v if -(2**63) <= v < 2**63 else -1 for v in values], dtype=np.int64)
 
 
-def _with_complete_events(slices, path, warnings: list):
+def _with_complete_events(slices, path, warnings: list, complete_counts: list):
     """The slices, then one more of the ranges written as B/E event pairs (legal Chrome trace
     format, which some exporters write), paired into complete events: a pair may span slices,
-    so they are paired once all are read."""
+    so they are paired once all are read. Only a slice that held more than its complete
+    events (``complete_counts``: what the table took of each) is searched for them."""
     found: list = []
     for events, blob in slices:
-        found += duration_events(events, blob)
         yield events, blob
+        if complete_counts[-1] < len(events):  # metadata, flows, instants ... or B/E
+            found += duration_events(events, blob)
     if found:
         complete, alone = complete_events(found)
         if alone:
@@ -170,12 +173,14 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
     rpc, threads, p2p = {}, {}, {}
     foreign = 0
     n_before = 0
-    for events, blob in _with_complete_events(slices, path, warnings):
+    complete_counts: list = []
+    for events, blob in _with_complete_events(slices, path, warnings, complete_counts):
         typed = bool(events) and type(events[0]) is RawEvent
         extract = extract_structs if typed else extract_dicts
         cols: dict = {}
         x_index, ts, dur, n_foreign = extract(events, cols, rpc, threads, n_before, p2p)
         foreign += n_foreign
+        complete_counts.append(len(dur) + n_foreign)
         start, no_ts = ts_to_ns(ts, events, x_index, blob, warnings, path)
         parts["start"].append(start)
         del events, ts
