@@ -87,6 +87,14 @@ def run_gloo(world_size: int, fn, *args, timeout: float = 120):
     return [out[r] for r in range(world_size)]
 
 
+def cases_by_world(cases: dict) -> dict:
+    """{case name: fn's kwargs with its "world"} -> world size -> {case name: kwargs}."""
+    worlds: dict = {}
+    for name, case in cases.items():
+        worlds.setdefault(case["world"], {})[name] = {k: v for k, v in case.items() if k != "world"}
+    return worlds
+
+
 def run_case_worlds(fn, worlds: dict, trace_root, timeout: float = 240) -> dict:
     """``worlds``: world size -> {case name: fn's kwargs}; each world's cases run one after
     another in one set of gloo ranks (one start-up per world, not per case), a case's

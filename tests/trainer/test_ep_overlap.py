@@ -36,7 +36,7 @@ from instrumented_model.train_config import config_from_args
 from pptrace.naming import parse_name
 from pptrace.topology import Layout
 
-from gloo_helpers import run_case_worlds
+from gloo_helpers import cases_by_world, run_case_worlds
 
 M, LAYERS, STEPS = 2, 1, ("2", "3", "4")
 SLEEP_RUN = ["--dp", "2", "--ep", "2", "--experts", "2", "--topk", "1", "--layers", str(LAYERS),
@@ -257,9 +257,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    worlds = {world: {n: {k: v for k, v in c.items() if k != "world"} for n, c in CASES.items() if c["world"] == world}
-              for world in (2, 4)}
-    return run_case_worlds(_run_cases, worlds, tmp_path_factory.mktemp("traces"))
+    return run_case_worlds(_run_cases, cases_by_world(CASES), tmp_path_factory.mktemp("traces"))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from instrumented_model.train_config import TrainConfig, config_from_args
 from pptrace.naming import parse_name
 from pptrace.topology import Layout
 
-from gloo_helpers import run_case_worlds
+from gloo_helpers import cases_by_world, run_case_worlds
 
 # 4 experts, top-2, every layer MoE: tokens cross ranks in every layer
 CFG = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio=2, seed=7,
@@ -73,9 +73,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    worlds = {world: {n: {k: v for k, v in c.items() if k != "world"} for n, c in CASES.items() if c["world"] == world}
-              for world in (2, 4)}
-    return run_case_worlds(_run_cases, worlds, tmp_path_factory.mktemp("traces"))
+    return run_case_worlds(_run_cases, cases_by_world(CASES), tmp_path_factory.mktemp("traces"))
 
 
 @pytest.fixture(scope="module")
