@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..naming import parse_name
+from ..ingest.schema import tags_of
 
 #: max over mean tokens in an ep group from which the group is called imbalanced: routing
 #: noise of a balanced router stays well under it
@@ -21,20 +21,25 @@ IMBALANCED = 1.10
 COLUMNS = ("rank", "ep_group", "tokens", "share_of_mean", "hottest", "wait_cost_s")
 
 
-def _tokens_of_names(names: pd.Series) -> np.ndarray:
-    """The forward tokens tag of each row's name (0 for a backward or untagged range), one
-    parse per distinct name."""
-    names = names.astype("category")
-    table = []
-    for name in names.cat.categories:
-        parsed = parse_name(str(name))
-        tags = getattr(parsed, "tags", {}) or {}
+def expert_tags(tags: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, backward) of each ``compute:expert`` row from its ``tags`` column, one parse per
+    distinct value; tokens NaN where a range has no usable ``tokens`` tag."""
+    codes = tags.astype("category")
+    tokens, backward = [], []
+    for text in codes.cat.categories:
         try:
-            table.append(0 if tags.get("dir") == "bwd" else int(tags.get("tokens", 0)))
+            parsed = tags_of(str(text))
+        except ValueError:
+            parsed = {}
+        parsed = parsed if isinstance(parsed, dict) else {}
+        try:
+            tokens.append(float(parsed.get("tokens")))
         except (TypeError, ValueError):
-            table.append(0)
-    table = np.array([*table, 0], dtype=np.int64)
-    return table[names.cat.codes.to_numpy()]
+            tokens.append(np.nan)
+        backward.append(parsed.get("dir") == "bwd")
+    # code -1 (no tags at all) reads the appended last entry
+    c = codes.cat.codes.to_numpy()
+    return np.array([*tokens, np.nan])[c], np.array([*backward, False])[c]
 
 
 def expert_load(run, waits: pd.DataFrame) -> pd.DataFrame:
@@ -49,7 +54,9 @@ def expert_load(run, waits: pd.DataFrame) -> pd.DataFrame:
     if not sel.any():
         return pd.DataFrame(columns=list(COLUMNS))
     rows = ev[sel]
-    per = pd.DataFrame({"rank": rows["rank"].to_numpy(np.int64), "tokens": _tokens_of_names(rows["name"])})
+    tokens, backward = expert_tags(rows["tags"])  # the forward's tokens: a backward moves the same ones
+    per = pd.DataFrame({"rank": rows["rank"].to_numpy(np.int64),
+                        "tokens": np.where(backward | np.isnan(tokens), 0, tokens).astype(np.int64)})
     n_steps = max(len(run.steps), 1)
     load = (per.groupby("rank")["tokens"].sum() / n_steps).rename("tokens").reset_index()
     layout = run.layout

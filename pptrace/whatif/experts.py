@@ -13,10 +13,10 @@ expert time moves. Passes are then replayed as any measured pass (predict.py).
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pandas as pd
+
+from ..analyzers.experts import expert_tags
 
 #: what the result's ``predicted.experts`` holds, per step: MoE layer calls (each ep
 #: group's own), the largest share of its group's mean tokens a rank's experts got, and the
@@ -26,29 +26,6 @@ SUMMARY_KEYS = ("layer_calls", "max_over_mean_tokens", "pass_time_saved_s")
 
 class NotBalanceable(ValueError):
     """The run has no expert-parallel work the what-if could rebalance."""
-
-
-def _tags(tags: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, backward) per row from the ``tags`` JSON, one parse per distinct value;
-    tokens NaN where a range has no ``tokens`` tag."""
-    codes = tags.astype("category")
-    tokens, backward = [], []
-    for text in codes.cat.categories:
-        try:
-            parsed = json.loads(str(text))
-        except ValueError:
-            parsed = {}
-        parsed = parsed if isinstance(parsed, dict) else {}
-        try:
-            tokens.append(float(parsed.get("tokens")))
-        except (TypeError, ValueError):
-            tokens.append(np.nan)
-        backward.append(parsed.get("dir") == "bwd")
-    # code -1 (no tags at all) reads the appended last entry
-    tokens_of = np.array([*tokens, np.nan])
-    backward_of = np.array([*backward, False])
-    c = codes.cat.codes.to_numpy()
-    return tokens_of[c], backward_of[c]
 
 
 def _ep_groups(run) -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +47,7 @@ def check_balanceable(run) -> None:
     anything else is measured, so that a run without experts hears that, not another reason."""
     ev = run.events
     rows = ev[(ev["category"] == "compute").to_numpy() & (ev["op"] == "expert").to_numpy()]
-    _check(run, rows, _tags(rows["tags"])[0] if len(rows) else np.zeros(0))
+    _check(run, rows, expert_tags(rows["tags"])[0] if len(rows) else np.zeros(0))
     if ((ev["category"] == "wait").to_numpy() & (ev["kind"] == "ep").to_numpy()).any():
         # posted, then waited after other work: the wait for the last arrival may hide under
         # that work, so moving the arrival need not move the pass by as much
@@ -104,7 +81,7 @@ def balanced_shifts(run, main: pd.DataFrame, passes: pd.DataFrame, notes: list) 
     is_expert = (main["category"] == "compute").to_numpy() & (main["op"] == "expert").to_numpy()
     # the tags and layer of the run's own rows (the measured selection keeps only timing columns)
     experts = run.events.loc[main.index[is_expert], ["rank", "step", "layer", "tags", "start_ns", "end_ns"]]
-    tokens, backward = _tags(experts["tags"]) if len(experts) else (np.zeros(0), np.zeros(0, bool))
+    tokens, backward = expert_tags(experts["tags"]) if len(experts) else (np.zeros(0), np.zeros(0, bool))
     _check(run, experts, tokens)
     keep = ~np.isnan(tokens)
     if not keep.all():
