@@ -51,6 +51,13 @@ SECTIONS = (  # (figure key, heading, what to read in it)
      "Wait = a receive posted before its send, waiting for it (bubble); transfer = moving the "
      "data once both sides had posted."),
     ("collectives", "Collectives", ""),
+    ("ep_load", "Experts and expert parallelism",
+     "Tokens each expert processed per step (one row per expert and the rank holding it): a hot "
+     "row is the rank the others wait for in the all-to-alls. Beside it, each rank's ep time: "
+     "exposed vs hidden under compute, and its collectives' wait for the slowest peer vs transfer."),
+    ("ep_pairs", "ep rank pairs",
+     "Tokens each rank sent each peer in its all-to-alls (dispatch and combine, forward and "
+     "backward), and how long the sender waited for that peer: the last to arrive."),
     ("stragglers", "Stragglers", ""),
 )
 # Nothing on this page needs the network; the policy makes that a guarantee. No eval either:
@@ -77,6 +84,11 @@ h2{break-after:avoid;page-break-after:avoid}
 # Printed, a figure is drawn this wide: inside a landscape A4 or Letter page less the @page
 # margins (277 mm ~ 1047 px, 259 mm ~ 980 px), so nothing is clipped at the right edge.
 PRINT_WIDTH_PX = 960
+# ... and a section (heading, note, figure) at most this tall: a landscape A4 page less the
+# margins (190 mm ~ 718 px; Letter 196 mm), less a little for the line breaks the print width
+# moves. A taller figure (the timeline of 8 ranks or more) is drawn shorter: break-inside:
+# avoid cannot keep a section taller than the page on one page.
+PRINT_HEIGHT_PX = 690
 
 
 def _run_name(run) -> str | None:
@@ -170,7 +182,7 @@ _CONFIG = {"displaylogo": False, "responsive": True, "scrollZoom": False,
 # view by the rule of dashboards.blocks.fitting_labels (all of a step's labels ride along in
 # the label trace's meta). Labels are built from numbers, never from trace names.
 _BOOT = """(function () {
-  var config = __CONFIG__, LABELS = __LABELS__, PRINT_WIDTH = __PRINT_WIDTH__;
+  var config = __CONFIG__, LABELS = __LABELS__, PRINT_WIDTH = __PRINT_WIDTH__, PRINT_HEIGHT = __PRINT_HEIGHT__;
   function fitLabels(gd) {
     var xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
     if (!xa || !ya || !xa.range || !ya.range) return;
@@ -224,13 +236,26 @@ _BOOT = """(function () {
     printing = true;
     divs.forEach(function (d) {
       draw(d);
-      if (d._fullLayout && d._fullLayout.width !== PRINT_WIDTH) Plotly.relayout(d, {width: PRINT_WIDTH});
+      if (!d._fullLayout) return;
+      var update = {}, room = PRINT_HEIGHT - (d.parentNode.offsetHeight - d.offsetHeight);
+      if (d._fullLayout.width !== PRINT_WIDTH) update.width = PRINT_WIDTH;
+      if (d._fullLayout.height > room) {  // its section on one page
+        d.__screen = {height: d._fullLayout.height, style: d.style.height};
+        update.height = room;
+        d.style.height = room + 'px';
+      }
+      if (Object.keys(update).length) Plotly.relayout(d, update);
     });
   }
   function forScreen() {
     if (!printing) return;
     printing = false;
-    divs.forEach(function (d) { if (d._fullLayout) Plotly.relayout(d, {width: null}); });
+    divs.forEach(function (d) {
+      if (!d._fullLayout) return;
+      var back = {width: null};
+      if (d.__screen) { back.height = d.__screen.height; d.style.height = d.__screen.style; d.__screen = null; }
+      Plotly.relayout(d, back);
+    });
   }
   window.addEventListener('beforeprint', forPrint);
   window.addEventListener('afterprint', forScreen);
@@ -265,8 +290,15 @@ def _inert_json(fig) -> str:
 
 
 def render_html(run, report: dict, figures: dict) -> str:
+    return page_html(page_title(run, report), _header(run, report), SECTIONS, figures)
+
+
+def page_html(title: str, header_html: str, sections, figures: dict) -> str:
+    """A page: ``header_html`` (escaped by the caller), then each of ``sections`` ((figure
+    key, heading, note), as SECTIONS) whose figure is in ``figures``, drawn as it scrolls into
+    view; plotly.js inline, no network."""
     body = []
-    for key, heading, note in SECTIONS:
+    for key, heading, note in sections:
         if key not in figures:
             continue
         height = int(figures[key].layout.height or 450)
@@ -283,13 +315,13 @@ def render_html(run, report: dict, figures: dict) -> str:
             "</section>")
     labels = {"min_font": LABEL_MIN_FONT_PX, "max_in_view": MAX_LABELS_IN_VIEW}
     boot = (_BOOT.replace("__CONFIG__", json.dumps(_CONFIG)).replace("__LABELS__", json.dumps(labels))
-            .replace("__PRINT_WIDTH__", str(PRINT_WIDTH_PX)))
+            .replace("__PRINT_WIDTH__", str(PRINT_WIDTH_PX)).replace("__PRINT_HEIGHT__", str(PRINT_HEIGHT_PX)))
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
-        f"<title>{html.escape(page_title(run, report))}</title><style>{_STYLE}</style>"
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style>"
         f'<script type="text/javascript">{get_plotlyjs()}</script></head><body>'
-        f"{_header(run, report)}{''.join(body)}<script>{boot}</script></body></html>\n"
+        f"{header_html}{''.join(body)}<script>{boot}</script></body></html>\n"
     )
 
 

@@ -267,7 +267,7 @@ def bubble_split(run, partitions: list, pairs: pd.DataFrame | None = None) -> di
     pairs = pairs if pairs is not None else run.pairs
     if not windows or pairs is None or "send_index" not in pairs.columns:
         return {}
-    if on_gpu(run.events):
+    if on_gpu(run.events) or missing_stages(run):  # a replay without those stages' passes would be another pipeline
         return {}
     profiled = {step: window for step, window in windows.items() if step in run.steps}
     latency = {step: max(profiled[step].end_ns - end, 0) for step, end in latency_free_ends(run, pairs, profiled).items()}
@@ -283,9 +283,18 @@ def bubble_split(run, partitions: list, pairs: pd.DataFrame | None = None) -> di
     return out
 
 
+def missing_stages(run) -> list[int]:
+    """The pipeline stages none of whose ranks is loaded (a --ranks subset, dead ranks)."""
+    world = run.layout.world_size
+    return sorted(set(range(run.layout.pp)) - {run.layout.coords(r).pp for r in run.ranks if r < world})
+
+
 def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple[pd.DataFrame, dict]:
-    """(one row per physical stage, run-level summary dict). ``latency``: bubble_split's
-    output; without it the bubble is not split."""
+    """(one row per physical stage with a loaded rank, run-level summary dict). ``latency``:
+    bubble_split's output; without it the bubble is not split. A stage whose ranks have p2p
+    with a peer not loaded has its bubble unknown (None: the split of that p2p time needs the
+    peer, analyzers/partition.py), and with a stage not loaded the theory is unknown (it
+    needs every stage's pass times): neither is a number made up from the stages present."""
     latency = latency or {}
     times = microbatch_times(run)
     by_key = {(p.rank, p.step): p for p in partitions}
@@ -294,8 +303,9 @@ def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple
     v = run.v
     phases = _phase_bubble(by_key, times)
     by_chunk = _per_microbatch_by_chunk(times)
+    absent = missing_stages(run) if p > 1 else []
     rows = []
-    for stage in range(p):
+    for stage in (s for s in range(p) if s not in absent):
         ranks = [r for r in run.ranks if r < run.layout.world_size and run.layout.coords(r).pp == stage]
         parts = [part for (rank, _), part in by_key.items() if rank in ranks]
         st = times[times["stage"] == stage]
@@ -304,24 +314,26 @@ def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple
                                           by_chunk.loc[[stage], "bwd"])] if stage in by_chunk.index else []
         ph = phases[phases["rank"].isin(ranks)]
         step_s = float(np.mean([q.wall_ns for q in parts]) / 1e9) if parts else 0.0
+        known = not any(q.unsplit_ns for q in parts)
         bubble = float(np.mean([q.parts["pp_bubble"].total for q in parts]) / 1e9) if parts else 0.0
         split = [latency[(q.rank, q.step)] for q in parts if (q.rank, q.step) in latency]
-        owed = float(np.mean(split) / 1e9) if parts and len(split) == len(parts) else None
+        owed = float(np.mean(split) / 1e9) if parts and len(split) == len(parts) and known else None
         per_step = []
         for q in sorted(parts, key=lambda q: (q.step, q.rank)):
-            lat = latency.get((q.rank, q.step))
-            per_step.append({"rank": q.rank, "step": q.step, "bubble_s": q.parts["pp_bubble"].total / 1e9,
+            lat = latency.get((q.rank, q.step)) if not q.unsplit_ns else None
+            mine = q.parts["pp_bubble"].total / 1e9 if not q.unsplit_ns else None
+            per_step.append({"rank": q.rank, "step": q.step, "bubble_s": mine,
                              "bubble_latency_s": None if lat is None else lat / 1e9,
                              "bubble_schedule_s": None if lat is None else (q.parts["pp_bubble"].total - lat) / 1e9})
+        phase = (lambda name: float(ph[name].mean()) if not ph.empty else 0.0) if known else (lambda name: None)
         rows.append({
-            "stage": stage, "ranks": ranks, "step_s": step_s, "bubble_s": bubble,
+            "stage": stage, "ranks": ranks, "step_s": step_s, "bubble_s": bubble if known else None,
             "bubble_schedule_s": None if owed is None else bubble - owed,
             "bubble_latency_s": owed,
             "steps": per_step,
-            "bubble_fraction": bubble / step_s if step_s else 0.0,
-            "warmup_bubble_s": float(ph["warmup_s"].mean()) if not ph.empty else 0.0,
-            "steady_bubble_s": float(ph["steady_s"].mean()) if not ph.empty else 0.0,
-            "cooldown_bubble_s": float(ph["cooldown_s"].mean()) if not ph.empty else 0.0,
+            "bubble_fraction": (bubble / step_s if step_s else 0.0) if known else None,
+            "warmup_bubble_s": phase("warmup_s"), "steady_bubble_s": phase("steady_s"),
+            "cooldown_bubble_s": phase("cooldown_s"),
             "t_fwd_s": _per_microbatch(st, FWD_OPS), "t_bwd_s": _per_microbatch(st, BWD_OPS),
             "t_wgrad_s": _per_microbatch(st, (BWD_WEIGHT,)),
             "chunks": chunks if v > 1 else [],
@@ -334,7 +346,12 @@ def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple
     t_stage = (stages["t_fwd_s"] + stages["t_bwd_s"]).to_numpy()
     t_w = stages["t_wgrad_s"].to_numpy()
     schedule = canonical(run.schedule)
-    if has_closed_form(schedule) or p == 1:
+    if absent:
+        step_theory = 0.0
+        stages["theory_bubble_s"] = stages["theory_bubble_balanced_s"] = np.nan
+        summary["theory_source"] = None
+        summary["theory_unknown"] = f"it needs the pass times of stages {absent}, whose traces are not loaded"
+    elif has_closed_form(schedule) or p == 1:
         step_theory = theory_step(schedule, m, v, t_stage, t_w)
         stages["theory_bubble_s"] = np.maximum(step_theory - m * t_stage, 0.0) if p > 1 else 0.0
         stages["theory_bubble_balanced_s"] = [
@@ -351,8 +368,20 @@ def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple
             stages["theory_bubble_s"] = bubble
             summary["theory_source"] = source
         stages["theory_bubble_balanced_s"] = stages["theory_bubble_s"]
-    stages["theory_bubble_fraction"] = stages["theory_bubble_s"] / step_theory if step_theory else 0.0
-    measured = stages[(stages["step_s"] > 0).to_numpy() & stages["theory_bubble_s"].notna().to_numpy()]
+    stages["theory_bubble_fraction"] = stages["theory_bubble_s"] / step_theory if step_theory else (
+        np.nan if absent else 0.0)
+    bubble_known = stages["bubble_s"].notna().to_numpy()
+    measured = stages[(stages["step_s"] > 0).to_numpy() & stages["theory_bubble_s"].notna().to_numpy() & bubble_known]
+    if absent or not bubble_known.all():
+        # a mean over the stages whose bubble is known, or unknown: never one taken over zeros
+        known = stages[(stages["step_s"] > 0).to_numpy() & bubble_known]
+        summary.update(
+            bubble_fraction=float(known["bubble_fraction"].mean()) if not known.empty else None,
+            bubble_s=float(known["bubble_s"].mean()) if not known.empty else None,
+            theory_bubble_fraction=None if absent or measured.empty else float(measured["theory_bubble_fraction"].mean()),
+            theory_bubble_s=None if absent or measured.empty else float(measured["theory_bubble_s"].mean()),
+            theory_step_s=None if absent else step_theory)
+        return stages, summary
     summary.update(
         bubble_fraction=float(measured["bubble_fraction"].mean()) if not measured.empty else 0.0,
         theory_bubble_fraction=float(measured["theory_bubble_fraction"].mean()) if not measured.empty else 0.0,

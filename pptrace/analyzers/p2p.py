@@ -34,14 +34,37 @@ def match_pairs(run: Run) -> MatchedPairs:
     return MatchedPairs(pairs, ops[~ops["index"].isin(paired)])
 
 
-def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = False) -> dict:
+def peer_not_loaded(unmatched: pd.DataFrame, requested) -> np.ndarray:
+    """Mask of the unmatched p2p ranges whose peer a ``--ranks`` subset left out (``requested``:
+    the ranks it asked for, None for all): nothing in the loaded traces can split their wait
+    from their transfer. (A peer whose trace was lost keeps the older rule: its ranges count
+    as transfer, with the "no matching peer range" warning.)"""
+    if unmatched.empty or requested is None:
+        return np.zeros(len(unmatched), bool)
+    other = np.where(unmatched["is_send"].to_numpy(bool), unmatched["dst"].to_numpy(np.int64),
+                     unmatched["src"].to_numpy(np.int64))
+    return ~np.isin(other, np.asarray(list(requested), np.int64))
+
+
+def unsplit_by_rank(unmatched: pd.DataFrame, mask: np.ndarray) -> dict:
+    """rank -> Intervals of its unmatched ranges under ``mask`` (:func:`peer_not_loaded`)."""
+    sel = unmatched[mask]
+    rank = sel["rank"].to_numpy(np.int64)
+    start, end = sel["start_ns"].to_numpy(np.int64), sel["end_ns"].to_numpy(np.int64)
+    return {int(r): union(start[rank == r], end[rank == r]) for r in np.unique(rank)}
+
+
+def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = False,
+                  unsplit: np.ndarray | None = None) -> dict:
     """rank -> (wait Intervals, transfer Intervals) over that rank's own p2p ranges.
 
     A range moves data from when both sides of its message have posted, but not before its
     exchange had every message ready (exchanges.py), until the first side completes; the
     rest of it waits, and waits are bubble. A send the transport buffered holds nothing up.
     Ranges without a matched peer cannot be split and count as transfer (without the peer
-    nothing shows that it was waiting). ``kernels``: NCCL kernels (GPU traces), each message
+    nothing shows that it was waiting), except those under ``unsplit`` (a mask over
+    ``unmatched``: their peer is not loaded, :func:`peer_not_loaded`), which stay in the wait
+    for the partition to mark unknown. ``kernels``: NCCL kernels (GPU traces), each message
     moving once its two kernels have started."""
     t0, t1 = exchanges.moving(pairs)
     found = exchanges.ranges(pairs, unmatched)
@@ -51,6 +74,8 @@ def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = 
     rank, start, end = found.rank, found.start, found.end
     a = np.clip(np.maximum(move0, found.last(kernels)), start, end)
     b = np.clip(move1, start, end)
+    if unsplit is not None and len(unsplit):
+        b = np.where(np.concatenate([np.zeros(2 * len(pairs), bool), unsplit]), a, b)  # never moving
     out = {}
     for r in np.unique(rank):
         mine = rank == r

@@ -13,7 +13,7 @@ from ..timeline.projection import gpu_extent
 from ..timeline.activity import Activity
 from ..timeline.intervals import Intervals, partition, union
 from ..timeline.windows import Window
-from .p2p import MatchedPairs, match_pairs, split_by_rank
+from .p2p import MatchedPairs, match_pairs, peer_not_loaded, split_by_rank, unsplit_by_rank
 from ..run.model import Run
 from ..vocab import COMM_DIMS, PARTS
 
@@ -26,6 +26,9 @@ class StepPartition:
     end_ns: int
     parts: dict           # part -> Intervals (disjoint, together exactly [start, end))
     hidden: dict          # dim -> ns of that dim's communication under compute
+    #: ns of p2p whose peer is not loaded: its wait and transfer cannot be told apart, so the
+    #: step's pp_bubble and pp_transfer are unknown (their sum is known: UNSPLIT)
+    unsplit_ns: int = 0
 
     @property
     def wall_ns(self) -> int:
@@ -50,8 +53,13 @@ def untagged_p2p(run: Run) -> dict:
     return {int(r): union(start[ranks == r], end[ranks == r]) for r in np.unique(ranks)}
 
 
+#: breakdown_table's column of a step whose split of pipeline time needs a peer not loaded:
+#: pp_bubble + pp_transfer together (those two are then NaN)
+UNSPLIT = "pp_bubble_or_transfer"
+
+
 def partition_step(act: Activity, step: int, window: Window, pipe: Window | None,
-                   p2p_wait: Intervals, p2p_transfer: Intervals) -> StepPartition:
+                   p2p_wait: Intervals, p2p_transfer: Intervals, unsplit: Intervals | None = None) -> StepPartition:
     start, end = window
     pipe_iv = Intervals.span(*pipe) if pipe else Intervals.empty()
     # the rank's whole-run sets cut to this step first: every operation below is then on
@@ -67,7 +75,8 @@ def partition_step(act: Activity, step: int, window: Window, pipe: Window | None
     order += [("pp_transfer", p2p_transfer.clip(start, end)), ("pp_bubble", p2p_wait.clip(start, end) | pipe_iv)]
     parts = partition((start, end), order, rest="other")
     hidden = {dim: ((comm[dim] | final[dim]) & compute).total for dim in COMM_DIMS}
-    return StepPartition(act.rank, step, start, end, parts, hidden)
+    unsplit_ns = (unsplit.clip(start, end) & parts["pp_bubble"]).total if unsplit is not None else 0
+    return StepPartition(act.rank, step, start, end, parts, hidden, unsplit_ns)
 
 
 def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | None = None) -> list[StepPartition]:
@@ -75,7 +84,9 @@ def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | No
     acts = acts if acts is not None else run.activities
     if matched is None:
         matched = match_pairs(run)
-    split = split_by_rank(*matched, kernels=any(a.gpu for a in acts.values()))
+    absent = peer_not_loaded(matched.unmatched, run.requested)  # their wait/transfer split is unknown
+    split = split_by_rank(*matched, kernels=any(a.gpu for a in acts.values()), unsplit=absent)
+    unsplit = unsplit_by_rank(matched.unmatched, absent)
     windows = run.pipeline_windows
     untagged = untagged_p2p(run)
     out = []
@@ -89,17 +100,25 @@ def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | No
             transfer = transfer | (untagged[rank] - wait)
         if act.gpu:
             transfer = transfer | (act.p2p - wait)
-        out.append(partition_step(act, step, window, windows.get(step), wait, transfer))
+        out.append(partition_step(act, step, window, windows.get(step), wait, transfer, unsplit.get(rank)))
     return out
 
 
 def breakdown_table(partitions: list[StepPartition]) -> pd.DataFrame:
-    """One row per (rank, step): time_s, every part in seconds, and hidden_<dim> seconds."""
+    """One row per (rank, step): time_s, every part in seconds, UNSPLIT, and hidden_<dim>
+    seconds. A step with p2p whose peer is not loaded has pp_bubble and pp_transfer NaN
+    (unknown, not zero) and their sum in UNSPLIT (0 elsewhere; the column only where some
+    step has one): the parts still add up."""
     rows = []
     for p in partitions:
         row = {"rank": p.rank, "step": p.step, "time_s": p.wall_ns / 1e9}
         row.update({name: p.parts[name].total / 1e9 for name in PARTS})
+        row[UNSPLIT] = 0.0
+        if p.unsplit_ns:
+            row[UNSPLIT] = row["pp_bubble"] + row["pp_transfer"]
+            row["pp_bubble"] = row["pp_transfer"] = np.nan
         row.update({f"hidden_{d}": p.hidden[d] / 1e9 for d in COMM_DIMS})
         rows.append(row)
-    columns = ["rank", "step", "time_s", *PARTS, *(f"hidden_{d}" for d in COMM_DIMS)]
+    unsplit = [UNSPLIT] if any(p.unsplit_ns for p in partitions) else []  # a --ranks subset's column only
+    columns = ["rank", "step", "time_s", *PARTS, *unsplit, *(f"hidden_{d}" for d in COMM_DIMS)]
     return pd.DataFrame(rows, columns=columns)

@@ -81,6 +81,9 @@ LEGEND = {
          "breakdown_s.pp_transfer: pipeline send/recv time once both sides had posted, and p2p "
          "that could not be paired"),
         ((_header("pp_bubble"),), "waiting for another stage", "breakdown_s.pp_bubble: see bubble above"),
+        ((_header("pp_bubble_or_transfer"),), "p2p whose peer --ranks left out: bubble or transfer, unknown which",
+         "breakdown_s.pp_bubble_or_transfer: pp_bubble and pp_transfer together, on a rank whose p2p peer "
+         "--ranks left out: telling the two apart needs the peer's trace, so both are unknown (-)"),
         (("other",), "host gaps, unannotated work",
          "breakdown_s.other: step time in none of the above (host gaps, unannotated work, "
          "memcpy on GPU traces)"),
@@ -118,6 +121,9 @@ LEGEND = {
         (("wait cost ms",), "what the group waited for its hottest rank",
          "on the group's hottest rank (at least 1.1x the mean): the others' ep wait per step beyond its own, "
          "mean over them: the cost of the imbalance"),
+        (("waits most for",), "the ep peer it waited for longest (ms per step)",
+         "from the ep rank-pair matrix: in each all-to-all a rank waits for the last peer to arrive; the "
+         "peer it waited for longest per step, and how long (the --json's ep.pairs hold every pair)"),
     ]),
     "stragglers": ("Stragglers", [
         (("rank",), None, "the straggler; the one that costs most first"),
@@ -179,6 +185,16 @@ def print_legend(console, shown: dict, explain: bool = False) -> None:
         entry("", CRITICAL_PATH_LEGEND)
 
 
+def _most_waited(report: dict) -> dict:
+    """rank -> "peer (ms)": the ep peer each rank waited for longest per step."""
+    best: dict = {}
+    for pair in (report.get("ep") or {}).get("pairs") or []:
+        wait = pair.get("wait_s") or 0
+        if wait > 0 and wait > best.get(pair["src"], (None, 0))[1]:
+            best[pair["src"]] = (pair["dst"], wait)
+    return {src: f"{dst} ({_ms(wait)})" for src, (dst, wait) in best.items()}
+
+
 def print_report(report: dict, console, explain: bool = False) -> None:
     """Tables, one per view: pipeline stages, per-rank breakdown (mean over steps, ms), p2p
     links, collectives by dim, stragglers; then warnings and a legend of the columns shown
@@ -209,28 +225,31 @@ def print_report(report: dict, console, explain: bool = False) -> None:
             "cool-down", "t_fwd", "t_bwd", "t_w"))]
         rows = [[str(s["stage"]), _ms(s["step_s"]), _ms(s["bubble_s"]), _pct(s["bubble_fraction"]),
                  _ms(s.get("bubble_schedule_s")), _ms(s.get("bubble_latency_s")),
-                 _ms(s.get("theory_bubble_s")), _pct(s.get("theory_bubble_fraction") or 0),
+                 _ms(s.get("theory_bubble_s")), _pct(s.get("theory_bubble_fraction")),
                  _ms(s["warmup_bubble_s"]), _ms(s["steady_bubble_s"]), _ms(s["cooldown_bubble_s"]),
                  _ms(s["t_fwd_s"]), _ms(s["t_bwd_s"]), _ms(s["t_wgrad_s"])] for s in pipe["stages"]]
         if pipe.get("theory_source"):
             caption = f"theory: {pipe['theory_source']} with this run's measured pass times"
+        elif pipe.get("theory_unknown"):
+            caption = f"theory: unknown ({pipe['theory_unknown']})"
         else:
             caption = "theory: unknown (no closed form for this schedule and no pass order to replay)"
         shown["stages"] = print_table(
-            console, f"Pipeline bubble per stage (ms) — measured {pipe['bubble_fraction']:.1%} vs "
-                     f"theory {pipe['theory_bubble_fraction']:.1%} of the step", cols, rows, caption=caption)
+            console, f"Pipeline bubble per stage (ms) — measured {_pct(pipe['bubble_fraction'])} vs "
+                     f"theory {_pct(pipe['theory_bubble_fraction'])} of the step", cols, rows, caption=caption)
     for bound in report.get("critical_path") or ():
         shown["critical_path"] = True
         console.print(f"[bold]critical path[/] {escape(bound['summary'])}", highlight=False)
     cols = [Col("rank", key=True), Col("where", key=True, justify="left"), Col("step", drop_zero=False),
-            *(Col(_header(p)) for p in PARTS), *(Col(f"{d} hidden") for d in COMM_DIMS)]
+            *(Col(_header(p)) for p in (*PARTS, "pp_bubble_or_transfer")), *(Col(f"{d} hidden") for d in COMM_DIMS)]
     rows = []
     for r in report["ranks"]:
         m = r["mean"]
         if m is None:
             continue
         rows.append([str(r["rank"]), r.get("describe") or "", _ms(m["time_s"]),
-                     *(_ms(m["breakdown_s"][p]) for p in PARTS), *(_ms(m["hidden_s"][d]) for d in COMM_DIMS)])
+                     *(_ms(m["breakdown_s"].get(p)) for p in (*PARTS, "pp_bubble_or_transfer")),
+                     *(_ms(m["hidden_s"][d]) for d in COMM_DIMS)])
     shown["ranks"] = print_table(console, "Step time per rank (ms, mean over steps)", cols, rows)
     p2p = report["p2p"]
     if p2p["links"]:
@@ -256,9 +275,11 @@ def print_report(report: dict, console, explain: bool = False) -> None:
         shown["collectives"] = print_table(console, "Collectives by dimension (per rank per step)", cols, rows)
     if report.get("experts"):
         cols = [Col("rank", key=True), Col("ep group", key=True),
-                *(Col(h) for h in ("tokens", "x mean", "wait cost ms"))]
+                *(Col(h) for h in ("tokens", "x mean", "wait cost ms", "waits most for"))]
+        most = _most_waited(report)
         rows = [[str(e["rank"]) + (" (hottest)" if e["hottest"] else ""), e["ep_group"], _n(e["tokens"]),
-                 "-" if e["share_of_mean"] is None else f"{e['share_of_mean']:.2f}", _ms(e["wait_cost_s"])]
+                 "-" if e["share_of_mean"] is None else f"{e['share_of_mean']:.2f}", _ms(e["wait_cost_s"]),
+                 most.get(e["rank"], "-")]
                 for e in report["experts"]]
         shown["experts"] = print_table(console, "Expert load (per step)", cols, rows)
     if report["stragglers"]:

@@ -20,6 +20,7 @@ one buffer, whose offsets every part shares.
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from pathlib import Path
@@ -499,8 +500,22 @@ def rank_of(header: dict, path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def base_ns(header: dict) -> int:
-    base = header.get("baseTimeNanoseconds")
-    if not isinstance(base, int) or isinstance(base, bool) or abs(base) >= 2**62:
-        return 0  # older traces write ts as epoch microseconds and no base
-    return base
+#: No clock reads this many nanoseconds (year 2116); a base beyond it is corrupt.
+_MAX_BASE_NS = 2**62
+
+
+def base_time(header: dict) -> tuple[int, str | None]:
+    """(Kineto's baseTimeNanoseconds as an int, None), or (0, what is wrong with it) for a
+    value that is no clock ("x", true, 1e30): then the rank's times have no known origin.
+    Absent, it is (0, None): older traces write ts as epoch microseconds and no base."""
+    given = base = header.get("baseTimeNanoseconds")
+    if base is None:
+        return 0, None
+    if isinstance(base, float) and math.isfinite(base) and base == int(base):
+        base = int(base)  # an exporter that writes every number as a double
+    if isinstance(base, int) and not isinstance(base, bool) and 0 <= base < _MAX_BASE_NS:
+        return base, None
+    shown = json.dumps(given) if isinstance(given, (bool, int, float, str)) else type(given).__name__
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    why = "beyond any clock" if isinstance(base, (int, float)) and not isinstance(base, bool) else "not a number"
+    return 0, f"baseTimeNanoseconds is {shown}, {why}"

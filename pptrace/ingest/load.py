@@ -19,7 +19,7 @@ from ..progress import LOAD, phase
 from . import memory, store as cache
 from .cluster import LOCAL, describe, map_jobs
 from .columnar import StoredTable, frame_from_tables, to_arrow
-from .document import base_ns, normalize_header, read_trace, parse_document, rank_of
+from .document import base_time, normalize_header, read_trace, parse_document, rank_of
 from .files import unchanged, trace_size
 from .frame import build_frame
 
@@ -46,7 +46,10 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
     data, opened, probe = read_trace(path)
     header, slices, warnings = parse_document(path, data, typed=typed)
     header = normalize_header(header, path)
-    base = base_ns(header)
+    base, bad_base = base_time(header)
+    if bad_base:
+        warnings.append(f"{path}: {bad_base}; this rank's clock is placed from its events (aligned on its "
+                        "collectives and p2p with the other ranks)")
     rank = rank if rank is not None else rank_of(header, path)
     del data  # the slices hold the bytes until the last one is parsed, not beyond
     try:
@@ -71,6 +74,7 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
         "rank": rank,
         "world_size": world if isinstance(world, int) else None,
         "base_ns": base,
+        "clock_unknown": bool(bad_base),  # run/build.py places and aligns such a rank from its events
         "pptrace": block,
         "distributed": dist,
         "hostname": (block or {}).get("hostname") or header.get("host_name"),
@@ -178,14 +182,38 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
     if use_cache:
         for directory in {cache.cache_path(path).parent for path, _ in jobs}:
             cache.remove_stale_tmp(directory)
+    forged: list = []
     for i, (path, rank) in enumerate(jobs):
-        hit = cache.lookup(path) if use_cache else None
+        hit = cache.lookup(path, forged) if use_cache else None
         if hit is not None:
             results[i] = hit
         else:
             todo.append(i)
     if not todo:
         return results, errors
+    _parse_todo(jobs, todo, results, errors, use_cache, compact, workers, progress, scheduler)
+    if forged:
+        _said_forged(forged, jobs, results)
+    return results, errors
+
+
+def _said_forged(forged: list, jobs, results) -> None:
+    """One line for every cache entry that named this user's secret without its digests:
+    written by someone else (who can write the cache directory), so never read; the line goes
+    with the first of those ranks (after its new entry was written: not kept in the cache)."""
+    entries = {str(path) for path in forged}
+    for (path, _), result in zip(jobs, results):
+        if result is not None and str(cache.cache_path(path)) in entries:
+            which = f"{len(entries)} cache entries, e.g. {cache.cache_path(path)}" if len(entries) > 1 \
+                else f"cache entry {cache.cache_path(path)}"
+            result[1]["warnings"] = [*(result[1].get("warnings") or ()), (
+                f"{which}: not written by your pptrace (its digest does not verify: someone who can write the "
+                "cache directory changed it); not used, the trace parsed again")]
+            return
+
+
+def _parse_todo(jobs, todo, results, errors, use_cache, compact, workers, progress, scheduler) -> None:
+    """Parse the traces ``todo`` (indices into ``jobs``) into ``results`` and ``errors``."""
     # the same arguments in this process, in a pool or on Dask
     calls = {i: (str(jobs[i][0]), jobs[i][1], use_cache, compact) for i in todo}
     cached = len(jobs) - len(todo)
@@ -225,7 +253,6 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
                 collect(i, _parse_job(*args))
     finally:
         shown.__exit__(None, None, None)
-    return results, errors
 
 
 def parse_again(item: StoredTable):
@@ -236,7 +263,7 @@ def parse_again(item: StoredTable):
     stored, _, error = _parse_job(trace, rank, use_cache=True)
     if error is not None:
         raise TraceError(f"{item.path}: broken cache entry, and its trace no longer loads: {error}")
-    table = stored.read()
+    table = stored.read(cache.secret())
     if table.num_rows != item.num_rows:
         raise TraceError(f"{trace}: changed while pptrace loaded it ({table.num_rows} events, "
                          f"{item.num_rows} a moment before); run again")
@@ -246,4 +273,4 @@ def parse_again(item: StoredTable):
 def assemble(tables: list):
     """The run's frame from the per-rank tables of :func:`load_ranks` (columnar.frame_from_tables;
     ``tables`` is emptied), a broken cache entry among them parsed again."""
-    return frame_from_tables(tables, reparse=parse_again)
+    return frame_from_tables(tables, reparse=parse_again, key=cache.secret())

@@ -14,11 +14,21 @@ trace replaced mid-read never gets the new version's key on the old version's ta
 the same schema version. The key travels in the file's schema metadata, with the rank's meta
 and the row count. Entries are written under a temporary name and renamed: a killed run
 leaves at most a ``*.tmp`` file, removed by a later load once it is stale. Each entry also
-holds checksums of its metadata and data (columnar.CHECKSUM_KEY): a damaged entry is a miss,
+holds digests of its metadata and data (columnar.CHECKSUM_KEY): a damaged entry is a miss,
 or found out when read and replaced by parsing its trace again, never read as data.
+
+Whoever can write the cache directory (a shared run directory) could write an entry of their
+own under a trace's valid key, with its CRCs recomputed. So the digests are keyed with a
+secret of the invoking user's (:func:`secret`: 32 random bytes, a 0600 file in a 0700
+directory of the user cache, never in a run directory): only an entry this user's pptrace
+wrote verifies, anything else is a miss and its trace is parsed again (an entry that names
+this user's secret yet does not verify is said in one line). Colleagues sharing a run
+directory each cache for themselves; without a secret (no writable user cache) nothing is
+cached.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -46,6 +56,10 @@ _TMP_SUFFIX = ".tmp"
 _TMP_NAME = re.compile(r"\..+\.json(\.gz)?\.arrow\.\d+\.[0-9a-f]{8}\.tmp")
 #: Writing one entry takes seconds; a temporary file this old is a killed run's leftover.
 _STALE_TMP_S = 600
+#: The entries' format beside the table's schema (schema.SCHEMA_VERSION): 2 since their
+#: digests are keyed (entries of format 1 carry CRCs anyone can recompute).
+ENTRY_FORMAT = 2
+_SECRET_DIR, _SECRET_FILE, _SECRET_BYTES = "secret", "cache-key", 32
 
 
 def _probe(head: bytes, tail: bytes) -> str:
@@ -63,7 +77,7 @@ def probe_of(raw: bytes) -> str:
 def key_of(st: os.stat_result, probe: str) -> dict:
     """The key of a trace file opened as ``st`` whose bytes gave ``probe``."""
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-            "probe": probe, "schema": SCHEMA_VERSION}
+            "probe": probe, "schema": SCHEMA_VERSION, "entry": ENTRY_FORMAT}
 
 
 def source_key(trace_path) -> dict:
@@ -97,24 +111,96 @@ def cache_path(trace_path) -> Path:
     if not local.is_symlink() and ((local.is_dir() and _writable(local))
                                    or (not local.exists() and _writable(trace_path.parent))):
         return local / f"{trace_path.name}{_SUFFIX}"
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pptrace"
     digest = hashlib.sha1(str(trace_path.parent).encode()).hexdigest()[:16]
-    return root / digest / f"{trace_path.name}{_SUFFIX}"
+    return user_cache() / digest / f"{trace_path.name}{_SUFFIX}"
 
 
-def lookup(trace_path):
+def user_cache() -> Path:
+    """pptrace's directory in the user cache: ``$XDG_CACHE_HOME/pptrace`` (``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".cache"
+        except RuntimeError:  # no HOME and no passwd entry (some containers)
+            base = Path(os.sep, "nonexistent")
+    return Path(base) / "pptrace"
+
+
+def _private(st: os.stat_result) -> bool:
+    """Owned by this user, and nobody else may read or write it."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def secret() -> bytes | None:
+    """This user's key for the cache entries' digests (created on first use), or None when
+    there is no private place for one: the user cache not writable, or its secret directory
+    or file a link, someone else's, or readable by others (then nothing is cached)."""
+    directory = user_cache() / _SECRET_DIR
+    path = directory / _SECRET_FILE
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode) or not _private(st):
+            return None
+        try:
+            return _read_secret(path)
+        except FileNotFoundError:
+            pass
+        # written whole under a name of its own, then linked into place: of two processes
+        # creating it at once, both use the one that got there first
+        tmp = directory / f".{_SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(secrets.token_bytes(_SECRET_BYTES))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+        return _read_secret(path)
+    except OSError:
+        return None
+
+
+def _read_secret(path: Path) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(path) from None
+        return None  # a link (ELOOP) or not ours to read
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        key = fh.read(_SECRET_BYTES + 1)
+    ok = stat.S_ISREG(st.st_mode) and _private(st) and len(key) == _SECRET_BYTES
+    return key if ok else None
+
+
+def _key_id(key: bytes) -> str:
+    """Which secret an entry's digests were keyed with, without saying anything of it."""
+    return hashlib.blake2b(key, digest_size=8, person=b"pptrace-key-id").hexdigest()
+
+
+def lookup(trace_path, forged: list | None = None):
     """(StoredTable, meta) for a valid cache entry, or None. Reads only the file's footer
     (and the ends of the trace, for its key): the table itself is read when the run's frame
-    is assembled (columnar.frame_from_tables), which parses the trace again should the entry
-    turn out broken. A broken or stale entry is a miss, replaced by the next write."""
+    is assembled (columnar.frame_from_tables, with :func:`secret`), which parses the trace
+    again should the entry turn out broken. A broken or stale entry is a miss, replaced by
+    the next write; one that names this user's secret but whose digests that secret does not
+    give (written by someone else) is also added to ``forged``."""
     path = cache_path(trace_path)
+    key = secret()
     try:
-        if path.is_symlink():  # pptrace makes none: someone else's file, never followed
+        if key is None or path.is_symlink():  # pptrace makes no links: someone else's, never followed
             return None
         with pa.OSFile(str(path)) as source:
             schema = pa.ipc.open_file(source).schema
         metadata = schema.metadata or {}
-        if not metadata_intact(metadata):  # damaged, or an entry of an earlier pptrace
+        if not metadata_intact(metadata, key):  # damaged, an earlier pptrace's, another user's, forged
+            if forged is not None and _claims(metadata, key):
+                forged.append(path)
             return None
         stored = orjson.loads(metadata[_META_KEY])
         meta = stored["meta"]
@@ -124,6 +210,16 @@ def lookup(trace_path):
         return StoredTable(stored["rows"], path=path, source=(str(trace_path), meta.get("rank"))), meta
     except (TraceError, OSError, KeyError, ValueError, TypeError, pa.ArrowException, orjson.JSONDecodeError):
         return None
+
+
+def _claims(metadata: dict, key: bytes) -> bool:
+    """Whether an entry of this format says its digests are keyed with ``key`` (an entry of
+    another pptrace's format is a plain miss, not a forgery)."""
+    try:
+        stored = orjson.loads(metadata[_META_KEY])
+        return stored.get("secret") == _key_id(key) and stored["key"].get("entry") == ENTRY_FORMAT
+    except (KeyError, ValueError, AttributeError, orjson.JSONDecodeError):
+        return False
 
 
 def drop(entry) -> None:
@@ -140,7 +236,7 @@ def read(trace_path):
     if found is None:
         return None
     try:
-        return found[0].read(), found[1]
+        return found[0].read(secret()), found[1]
     except (OSError, ValueError, pa.ArrowException):
         return None
 
@@ -185,19 +281,21 @@ def write(trace_path, table: pa.Table, meta: dict, key: dict | None) -> Path | N
     """Store ``table`` under ``key`` (load.load_rank's, of the bytes it parsed; None: do not
     store); returns the entry's path, or None when nothing was stored (caching is an
     optimisation: failing to cache never fails a load)."""
-    if key is None:
+    secret_key = secret()
+    if key is None or secret_key is None:
         return None
     path = cache_path(trace_path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.parent.is_symlink():  # one put there since cache_path looked
             return None
-        payload = orjson.dumps({"key": key, "rows": table.num_rows, "meta": meta}, option=orjson.OPT_NON_STR_KEYS)
+        payload = orjson.dumps({"key": key, "rows": table.num_rows, "meta": meta, "secret": _key_id(secret_key)},
+                               option=orjson.OPT_NON_STR_KEYS)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), _META_KEY: payload})
         # Write then rename, so that a concurrent reader never sees half a file.
         tmp = _create_tmp(path, trace_path)
         try:
-            StoredTable.write_checked(table, str(tmp))
+            StoredTable.write_checked(table, str(tmp), secret_key)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

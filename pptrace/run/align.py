@@ -335,9 +335,9 @@ def _same_host_offsets(ranks, hosts, cons) -> pd.DataFrame | None:
     return table
 
 
-def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=None, hosts=None):
+def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=None, hosts=None, free=()):
     """-> (DataFrame OFFSET_COLUMNS, warnings). ``offset_ns`` of a rank is relative to the
-    reference rank (lowest loaded rank unless given).
+    reference rank (lowest loaded rank whose clock is known, unless given).
 
     Hard constraints (causality of p2p and of blocking collectives) give each rank an
     interval [lo, hi] for its offset (shortest paths through all constraints). The estimate
@@ -345,18 +345,72 @@ def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=N
     possible); where the interval is open, the collective leave-time median (clamped into
     it) and its spread. Ranks with no evidence keep their
     epoch clock (offset 0, NaN bound). ``hosts`` (rank -> hostname): ranks of one host keep
-    offset 0 unless their recorded times break causality.
+    offset 0 unless their recorded times break causality. ``free``: ranks whose clock says
+    nothing (a corrupt baseTimeNanoseconds, or hours off under --assume-same-run; run/build.py
+    placed them near the others): no host vouches for them, they are placed from their
+    communication alone, against the others as one clock when those share a host.
     """
     ranks = sorted(int(r) for r in ranks)
     warnings: list[str] = []
     if not ranks:
         return pd.DataFrame(columns=list(OFFSET_COLUMNS)), warnings
-    reference = ranks[0] if reference is None else int(reference)
+    free = sorted({int(r) for r in free} & set(ranks))
+    known = [r for r in ranks if r not in free]
+    reference = (known or ranks)[0] if reference is None else int(reference)
     blocking = _blocking(instances, events)
     cons = _constraints(blocking, pairs)
-    same_host = _same_host_offsets(ranks, hosts, cons)
-    if same_host is not None:
+    among_known = {k: c for k, c in cons.items() if k[0] not in free and k[1] not in free}
+    same_host = _same_host_offsets(known, hosts, among_known) if known else None
+    if same_host is not None and not free:
         return same_host, warnings
+    if same_host is not None:
+        # one clock for the host's ranks (offset 0 each): the free ranks against it alone
+        reference = known[0]
+        one = {r: reference for r in known}
+        blocking, pairs = _relabelled(blocking, ["rank"], one), _relabelled(pairs, ["src", "dst"], one)
+        rows = _estimated([reference, *free], reference, blocking, _constraints(blocking, pairs),
+                          events is not None, warnings)
+        rows = [(r, 0, 0.0, "same host", reference) for r in known[1:]] + rows
+    else:
+        rows = _estimated(ranks, reference, blocking, cons, events is not None, warnings)
+    rows.sort()
+    lost = [row[0] for row in rows if row[3] == "epoch" and row[0] not in free]
+    if lost:
+        warnings.append(
+            f"ranks {lost} share no matched communication with rank {reference}; their clocks "
+            "are used as recorded (fine on one host, only as good as NTP across hosts)"
+        )
+    unplaced = [row[0] for row in rows if row[3] == "epoch" and row[0] in free]
+    if unplaced:
+        warnings.append(
+            f"ranks {unplaced} have no clock to trust and share no matched communication with rank {reference}: "
+            "their timelines are placed only roughly (the middle of their events on the others'); cross-rank "
+            "times involving them are approximate"
+        )
+    table = pd.DataFrame(rows, columns=list(OFFSET_COLUMNS))
+    table["offset_ns"] = table["offset_ns"].astype(np.int64)
+    table["uncertainty_ns"] = table["uncertainty_ns"].astype("Float64")
+    return table, warnings
+
+
+def _relabelled(frame, columns, mapping: dict):
+    """``frame`` with the ranks in ``columns`` renamed by ``mapping`` (others kept)."""
+    if frame is None or frame.empty:
+        return frame
+    out = frame.copy(deep=False)
+    keys = np.array(list(mapping), np.int64)
+    values = np.array(list(mapping.values()), np.int64)
+    for column in columns:
+        rank = out[column].to_numpy(np.int64)
+        at = np.searchsorted(keys, rank)  # mapping's keys are sorted (known ranks)
+        hit = (at < len(keys)) & (keys[np.minimum(at, len(keys) - 1)] == rank)
+        out[column] = np.where(hit, values[np.minimum(at, len(keys) - 1)], rank)
+    return out
+
+
+def _estimated(ranks, reference, blocking, cons, with_soft: bool, warnings: list) -> list:
+    """(rank, offset, uncertainty, method, via) of each of ``ranks`` against ``reference``
+    from the hard constraints ``cons`` and the soft leave-time medians of ``blocking``."""
     upper, ok_up = _bounds_from(reference, cons, ranks)
     reverse = {(b, a): c for (a, b), c in cons.items()}
     lower_neg, ok_low = _bounds_from(reference, reverse, ranks)
@@ -366,7 +420,7 @@ def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=N
             "during profiling, or mismatched ranges); offsets use collective medians only"
         )
         upper, lower_neg = {reference: 0.0}, {reference: 0.0}
-    soft = _soft_offsets(reference, _soft_estimates(_edge_table(blocking)) if events is not None else {})
+    soft = _soft_offsets(reference, _soft_estimates(_edge_table(blocking)) if with_soft else {})
     rows = []
     for rank in ranks:
         hi = upper.get(rank, np.inf)
@@ -386,17 +440,7 @@ def estimate_offsets(ranks, instances=None, pairs=None, events=None, reference=N
             rows.append((rank, 0 if lo <= 0 <= hi else round(edge), np.nan, "one-sided", reference))
         else:
             rows.append((rank, 0, np.nan, "epoch", rank))
-    rows = _project(rows, cons, reference)
-    lost = [row[0] for row in rows if row[3] == "epoch"]
-    if lost:
-        warnings.append(
-            f"ranks {lost} share no matched communication with rank {reference}; their clocks "
-            "are used as recorded (fine on one host, only as good as NTP across hosts)"
-        )
-    table = pd.DataFrame(rows, columns=list(OFFSET_COLUMNS))
-    table["offset_ns"] = table["offset_ns"].astype(np.int64)
-    table["uncertainty_ns"] = table["uncertainty_ns"].astype("Float64")
-    return table, warnings
+    return _project(rows, cons, reference)
 
 
 def clock_drift_warnings(metas: dict) -> list[str]:

@@ -8,8 +8,11 @@ as long as one rank loads; a run with nothing usable raises TraceError.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
-from . import align, claims, infer, match
+import numpy as np
+
+from . import align, claims, clocks, infer, match
 from ..ingest import comm_kernels as comm_kernels_mod, memory
 from .claims import is_count, shape
 from ..errors import TraceError
@@ -20,20 +23,17 @@ from ..ingest.load import assemble, load_ranks
 from ..topology import Layout
 from .model import Run
 
-#: Ranks of one run start their profiled window within seconds of each other; traces whose
-#: first events lie further apart than this come from different runs.
-MAX_START_SPREAD_NS = 600 * 10**9
 #: No training run has had this many ranks: a rank or world size at or above it in a trace's
 #: metadata or file name is corrupt, and believing it would build ranges of that size.
 MAX_RANKS = 1 << 18
 
 
-def _headers(files, warnings, cached: bool = True):
+def _headers(files, warnings, cached: bool = True, enough: tuple = ("pptrace", "distributedInfo")):
     found, skipped = [], []
     for path in files:
         try:
             # what ranks and layout are told by (pptrace's traces have both before the events)
-            header = read_header(path, cached=cached, enough=("pptrace", "distributedInfo"))
+            header = read_header(path, cached=cached, enough=enough)
         except TraceError as exc:
             skipped.append(f"skipped: {exc}")
             continue
@@ -42,11 +42,35 @@ def _headers(files, warnings, cached: bool = True):
             found.append((path, header, rank))
     if not found:
         raise TraceError(
-            f"no readable trace among {len(files)} file(s) in {Path(files[0]).parent}: "
-            + "; ".join(w.removeprefix("skipped: ") for w in skipped[:2])
+            f"no readable trace among {len(files)} file(s) in {Path(files[0]).parent}: none could be read ("
+            + "; ".join(w.removeprefix("skipped: ") for w in skipped[:2]) + ")"
         )
     warnings += group_by_reason(skipped, "skipped: ")
     return found
+
+
+class Headers(NamedTuple):
+    """What a run directory says before any event is read (:func:`run_headers`)."""
+
+    by_rank: dict        # rank -> (trace path, header)
+    layout: Layout
+    said: str | None     # how the layout came about (layout_of)
+    layout_warnings: slice  # the warnings layout_of added, for load_run to redo
+
+
+def run_headers(path, warnings: list, *, cached: bool = True, layout: Layout | None = None,
+                enough: tuple = ("pptrace", "distributedInfo")) -> Headers:
+    """The checks of a run directory every command makes before reading events, ``info``'s
+    as ``analyze``'s (one set, so that info never describes a run analyze refuses): its trace
+    files (symlink loops, FIFOs, pptrace's own outputs skipped with a line, grouped by reason),
+    their headers, one believable rank per trace, one run (layouts, world sizes). ``enough``:
+    document.read_header's (the load reads the whole trace later; ``info`` gives () to read
+    every header whole, within the size limits the load would meet)."""
+    files = find_trace_files(path)
+    by_rank = assign_ranks(_headers(files, warnings, cached=cached, enough=enough), warnings)
+    first = len(warnings)
+    run_layout, said = layout_of(by_rank, layout, warnings)
+    return Headers(by_rank, run_layout, said, slice(first, len(warnings)))
 
 
 def _believable_rank(header, path, warnings):
@@ -212,7 +236,7 @@ def _not_profiled(absent, run_steps, metas) -> str:
 
 def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=None,
              layout: Layout | None = None, workers: int | None = None, compact: bool = True,
-             scheduler: str | None = None, comm_kernels=()) -> Run:
+             scheduler: str | None = None, comm_kernels=(), assume_same_run: bool = False) -> Run:
     """Load, align and match a run directory (or one trace file).
 
     ``ranks``/``steps`` restrict what is loaded/kept; ``layout`` overrides the layout found
@@ -222,18 +246,17 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     ``workers``/``scheduler``: where the ranks are parsed (see load.load_ranks: Dask with a
     ``scheduler``); ``comm_kernels``: GPU kernels that communicate, beyond those pptrace
     knows ('REGEX=DIM' strings or comm_kernels.CommKernel; a bad one is a ValueError before
-    anything is read).
+    anything is read); ``assume_same_run``: traces whose clocks lie hours apart are one run
+    whose clocks disagree (not refused as different runs): those ranks are aligned on their
+    collectives and p2p alone.
     """
     path = Path(path)
     kernel_rules = comm_kernels_mod.rules(comm_kernels)
     warnings: list[str] = []
-    files = find_trace_files(path)
     with phase(HEADERS, enabled=progress):
-        by_rank = assign_ranks(_headers(files, warnings, cached=use_cache and compact), warnings)
-    # a layout not given by the caller is checked against what the traces show (claims.cross_check)
-    guessed = len(warnings)
-    run_layout, said = layout_of(by_rank, layout, warnings)
-    guessed = slice(guessed, len(warnings))  # its warnings, replaced if the layout is redone
+        # a layout not given by the caller is checked against what the traces show (claims.cross_check);
+        # its warnings (guessed) are replaced if the layout is redone
+        by_rank, run_layout, said, guessed = run_headers(path, warnings, cached=use_cache and compact, layout=layout)
     wanted, headed = None, by_rank
     if ranks is not None:
         wanted = {int(r) for r in ranks}
@@ -280,7 +303,7 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     with phase(ASSEMBLE, enabled=progress):
         events = assemble(tables)  # empties `tables`
         memory.release()
-    _check_spread(events, metas)
+    placed = clocks.place(events, metas, assume_same_run, warnings)
     run_steps, differ = _check_steps(metas, warnings, path)
     if steps is not None:
         keep = {int(s) for s in steps}
@@ -303,30 +326,34 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     with phase(ALIGN, enabled=progress):
         return _finish(path, events, run_layout, metas, run_steps, warnings, layout_known=known,
                        layout_said=said, requested=None if wanted is None else sorted(wanted),
-                       comm_kernels=found_kernels)
+                       comm_kernels=found_kernels, placed=placed)
 
 
-def _check_spread(events, metas):
-    """Traces whose events lie hours apart come from different runs. Each rank is placed by
-    the median of its events' starts, which a few corrupt timestamps cannot move, and the
-    rank furthest from the others is named."""
-    if events.empty or len(metas) < 2:
-        return
-    mid = events.groupby("rank", observed=True)["start_ns"].median()
-    if mid.max() - mid.min() > MAX_START_SPREAD_NS:
-        off = (mid - mid.median()).abs()
-        whole_s = (off // 10**9).astype("int64")  # ties (two ranks): name the later one
-        odd = int(max(mid.index, key=lambda r: (whole_s[r], mid[r])))
-        ref = int(min(mid.index, key=lambda r: (whole_s[r], r)))
-        gap = abs(mid[odd] - mid[ref]) / 3.6e12
-        raise TraceError(
-            f"traces from different runs: rank {odd} ({metas[odd]['path']}) ran {gap:.1f} h "
-            f"{'after' if mid[odd] > mid[ref] else 'before'} rank {ref}; keep one run's traces per directory"
-        )
+def _peers_not_loaded(events, pairs, requested, loaded, layout, said: list) -> list:
+    """match_p2p's warnings, with the p2p ranges whose peer a --ranks subset (``requested``)
+    left out said once, as what it means: "peer not loaded", their split unknown
+    (analyzers/partition.py), not one line per side of every message."""
+    ops = match.p2p_ops(events)
+    paired = np.concatenate([pairs["send_index"].to_numpy(), pairs["recv_index"].to_numpy()]) if len(pairs) else []
+    free = ops[~ops["index"].isin(paired).to_numpy()]
+    peer = np.where(free["is_send"].to_numpy(bool), free["dst"].to_numpy(np.int64), free["src"].to_numpy(np.int64))
+    absent = ~np.isin(peer, np.asarray(requested, np.int64))
+    if not absent.any():
+        return said
+    peers, ranks = sorted(set(peer[absent].tolist())), sorted(set(free["rank"].to_numpy()[absent].tolist()))
+    stages = sorted({layout.coords(r).pp for r in range(layout.world_size)} - {
+        layout.coords(r).pp for r in loaded if r < layout.world_size})
+    line = (f"peer not loaded: {int(absent.sum())} p2p ranges of ranks {ranks[:8]} have no matching peer range, "
+            f"their peers (ranks {peers[:8]}) are not among --ranks: their wait and transfer cannot be told apart, so "
+            "those ranks' pp_bubble and pp_transfer are unknown (pp_bubble_or_transfer holds the two) and so is "
+            "their stages' bubble" + (f"; stages {stages[:8]} are not loaded: no theory and no critical path, and the "
+                                       "pipeline window spans the loaded stages only" if stages and layout.pp > 1 else ""))
+    # match_p2p's lines say the same of these ranges; kept only when other ranges lack a peer too
+    return [line] if absent.all() else [*said, line]
 
 
 def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = True,
-            layout_said: str | None = None, requested=None, comm_kernels=None) -> Run:
+            layout_said: str | None = None, requested=None, comm_kernels=None, placed=None) -> Run:
     loaded = sorted(metas)
     given = {f: _common(f, metas) for f in ("schedule", "microbatches", "vpp")}
     claimed = {f for f, value in given.items() if value is not None}  # what the pptrace block says
@@ -338,7 +365,7 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
         if len(set(hosts.values())) <= 1:
             return None
         instances, _ = match.match_collectives(events, layout, loaded)
-        offsets, _ = align.estimate_offsets(loaded, instances, None, events, hosts=hosts)
+        offsets, _ = align.estimate_offsets(loaded, instances, None, events, hosts=hosts, free=placed or ())
         return dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))
 
     found = infer.infer_run(events, metas, layout if layout_known else None, clock=clock)
@@ -360,11 +387,14 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
     schedule, microbatches, vpp = given["schedule"], given["microbatches"], given["vpp"]
     instances, w_coll = match.match_collectives(events, layout, loaded)
     pairs, w_p2p = match.match_p2p(events, timed=False)  # wait/transfer once clocks are aligned
-    offsets, w_align = align.estimate_offsets(loaded, instances, pairs, events, hosts=hosts)
+    if requested is not None:
+        w_p2p = _peers_not_loaded(events, pairs, requested, loaded, layout, w_p2p)
+    offsets, w_align = align.estimate_offsets(loaded, instances, pairs, events, hosts=hosts, free=placed or ())
     # Matching is clock-free, so the matches stand; only their times move.
     shift = dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))
     aligned = align.apply_offsets(events, offsets, inplace=True)
     pairs, instances = match.shift_pairs(pairs, shift, aligned), match.shift_instances(instances, shift)
+    offsets = clocks.placed_offsets(offsets, aligned, placed or {})
     typical = float(pairs["transfer_ns"].median()) if len(pairs) else None
     warnings = [
         *warnings, *w_p2p, *w_coll, *w_align, *align.clock_drift_warnings(metas),
