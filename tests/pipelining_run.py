@@ -10,8 +10,9 @@
   same with ``record_shapes=False``; ``"none"`` writes no trace.
 - ``out/truth/rank{r}.json``: ground truth from the same run. Per step its start/end, the
   call of ``schedule.step()`` (``pipeline_start`` / ``pipeline_end``: the pipeline runs in
-  it, so across ranks they bound the pipeline window of DESIGN contract 3), the closing
-  all-reduce (``reduce_start`` / ``reduce_end``) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
+  it, so across ranks they bound the pipeline window of DESIGN contract 3), with ``dp > 1``
+  the gradients' all-reduce over the dp group (``dp_reduce_start`` / ``dp_reduce_end``), the
+  closing all-reduce (``reduce_start`` / ``reduce_end``) and every compute action this rank ran (``op`` F|B|I|W, global ``stage``, local ``chunk``,
   ``mb``, start/end) with the sleeps measured inside it (``kind`` fwd|bwd_input|bwd_weight),
   in ``losses`` every loss call of the last stage (torch's ``_maybe_compute_loss``, after
   each of its forwards, in their order) with its sleep (``kind`` loss), and in ``p2p`` every call of
@@ -42,7 +43,8 @@ gradient) and its W runs the whole backward. The last stage's loss sleeps ``loss
 (default 0) in each call.
 
 With ``dp > 1`` the world is a DeviceMesh ``(pp, dp)`` named ("pp", "dp"); each dp replica
-runs its own pipeline. Every step ends with an all-reduce over all ranks (the grad norm of
+runs its own pipeline and sums its gradients over its dp group after ``schedule.step()``.
+Every step ends with an all-reduce over all ranks (the grad norm of
 clipping), as real trainers do, so each rank's step covers the whole pipeline window.
 
     python -m tests.pipelining_run OUT --schedule Schedule1F1B --mode pptrace
@@ -393,6 +395,11 @@ def _worker(rank: int, cfg: dict, store: str) -> None:
                 RECORDER.mark("pipeline_start")
                 schedule.step(*args, **kwargs)
                 RECORDER.mark("pipeline_end")
+                if dp > 1:  # data parallel: each stage's gradients summed over its dp group (DDP's all-reduce)
+                    RECORDER.mark("dp_reduce_start")
+                    dist.all_reduce(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]),
+                                    group=mesh.get_group("dp"))
+                    RECORDER.mark("dp_reduce_end")
                 # Gradient clipping's global norm: one all-reduce over all ranks ends the step.
                 norm = torch.stack([p.grad.norm() if p.grad is not None else torch.zeros(()) for p in params]).sum()
                 RECORDER.mark("reduce_start")

@@ -13,10 +13,12 @@ import numpy as np
 import pandas as pd
 
 from ..sweeps import dominance_max, lane_keys
+from .p2p_args import pp_comm_label
 from ..vocab import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, collective_key
 
 #: columns filled on a kernel from its launching record_param_comms when the kernel lacks them
-FIELDS = ("collective", "group_ranks", "pg_name", "in_nelems", "out_nelems", "dtype", "comm_seq")
+FIELDS = ("collective", "group_ranks", "pg_name", "in_nelems", "out_nelems", "in_splits", "out_splits", "dtype",
+          "comm_seq")
 _P2P = frozenset({"send", "recv", "isend", "irecv", "sendrecv", "batchisendirecv", "p2p"})
 
 
@@ -143,7 +145,7 @@ _ITEMSIZE = {
 COALESCED_P2P = "batch_isend_irecv"
 
 
-def _itemsize(dtype) -> int | None:
+def itemsize(dtype) -> int | None:
     if not isinstance(dtype, str):
         return None
     key = dtype.strip().strip('"').lower()
@@ -273,6 +275,39 @@ def _kernel_of_ops(df: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, pd.
     return out, pd.DataFrame({"kernel": rows, "op": members.astype(np.int64)})
 
 
+def _labelled_directions(df: pd.DataFrame, kernel: np.ndarray, is_send: np.ndarray) -> np.ndarray:
+    """Per op (its kernel's row, whether it sends): the direction torch's ``PP::`` p2p label
+    (p2p_args.pp_comm_label: ``dist.record_comm`` names the Work ``PP::fwd_send (stage 0)``
+    where NCCL writes ``nccl:send``) around the kernel's launch call gives it, "" where none
+    does. A coalesced batch's label (``PP::fwd_send_bwd_recv``) is around the one launch of
+    its ops: each takes the direction of its own side."""
+    out = np.full(len(kernel), "", dtype=object)
+    host = (df["lane_kind"] == "host").to_numpy()
+    name = df["name"] if isinstance(df["name"].dtype, pd.CategoricalDtype) else df["name"].astype("category")
+    said = [pp_comm_label(n) for n in name.cat.categories]  # per distinct name
+    if not any(said):
+        return out
+    table = pd.DataFrame([s or ("", "", -1) for s in said] + [("", "", -1)], columns=["send", "recv", "stage"])
+    codes = name.cat.codes.to_numpy()
+    is_label = host & ((table["send"] != "") | (table["recv"] != "")).to_numpy()[codes]
+    corr = df.loc[kernel, "correlation"].to_numpy(np.int64)
+    calls = df[host & (df["category"] == "runtime").to_numpy() & df["correlation"].isin(corr).to_numpy()]
+    calls = calls[~calls["correlation"].duplicated(keep="last").to_numpy()]
+    call = pd.Index(calls["correlation"].to_numpy(np.int64)).get_indexer(corr)
+    labels = df[is_label]
+    l_lane, c_lane = _lanes(labels, calls)
+    has = call >= 0
+    has[has] = c_lane[call[has]] >= 0  # a launch on a thread with no label
+    inner = np.full(len(kernel), -1)
+    c = call[has]
+    inner[has] = _innermost(l_lane, labels["start_ns"].to_numpy(np.int64), labels["end_ns"].to_numpy(np.int64),
+                            c_lane[c], calls["start_ns"].to_numpy(np.int64)[c], calls["end_ns"].to_numpy(np.int64)[c])
+    found = inner >= 0
+    code = codes[is_label][inner[found]]
+    out[found] = np.where(is_send[found], table["send"].to_numpy(object)[code], table["recv"].to_numpy(object)[code])
+    return out
+
+
 def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) -> int:
     """Pipeline p2p of a plain NCCL trace (in place): every send/recv ``record_param_comms``
     with its kernel becomes a ``pp`` row as a contract range would (op send_*/recv_*, peer =
@@ -281,10 +316,11 @@ def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) ->
     kernel's times: matching (match.py) then pairs sends with recvs FIFO per (group, src,
     dst, step) and wait/transfer come from the kernels, exactly as for contract ranges.
 
-    NCCL does not say whether a message is an activation or a gradient: the direction is
-    read from rank order (to a higher global rank: fwd), a guess that is the same on both
+    NCCL does not say whether a message is an activation or a gradient: torch's ``PP::``
+    label around the kernel's launch says (:func:`_labelled_directions`), else the direction
+    is read from rank order (to a higher global rank: fwd), a guess that is the same on both
     sides of every pair, which is all the pairing needs; the wrap-around of interleaved
-    schedules (last stage to first) reads as bwd. Ops nested in a contract pp range carry
+    schedules (last stage to first) then reads as bwd. Ops nested in a contract pp range carry
     a pptrace range already and are left alone. Returns how many ops were inferred."""
     host = (df["lane_kind"] == "host").to_numpy()
     base = _p2p_side(df["collective"])
@@ -315,11 +351,12 @@ def infer_nccl_p2p(df: pd.DataFrame, rank: int, warnings: list | None = None) ->
     if ops.empty:
         return 0
     rows = ops.index.to_numpy()
-    forward = np.where(is_send, peer > rank, peer < rank)
+    named = _labelled_directions(df, kernel, is_send)
+    forward = np.where(named != "", named == "fwd", np.where(is_send, peer > rank, peer < rank))
     op = np.where(is_send, np.where(forward, SEND_FWD, SEND_BWD), np.where(forward, RECV_FWD, RECV_BWD))
     nelems = ops["in_nelems"].fillna(ops["out_nelems"]).astype("Float64").to_numpy(np.float64, na_value=np.nan)
     dtype = ops["dtype"].astype("category")
-    per_dtype = np.array([_itemsize(d) or np.nan for d in dtype.cat.categories] + [np.nan], dtype=np.float64)
+    per_dtype = np.array([itemsize(d) or np.nan for d in dtype.cat.categories] + [np.nan], dtype=np.float64)
     size = per_dtype[dtype.cat.codes.to_numpy()]  # code -1 (null) takes the last entry
     nbytes = pd.array(nelems * size, dtype="Float64").astype("Int64")  # NaN (dtype unknown) -> NA
     _set(df, "kind", rows, "pp")

@@ -1,8 +1,10 @@
 """p2p ops of plain traces: what torch writes on them with record_shapes=True (the peer and
-tag of a c10d post, the bytes of gloo's range), read while a rank's table is built (frame.py)."""
+tag of a c10d post, the bytes of gloo's range), read while a rank's table is built (frame.py),
+and the labels newer torch gives pipeline p2p (:func:`pp_comm_label`)."""
 from __future__ import annotations
 
 import math
+import re
 from itertools import compress
 
 import msgspec
@@ -13,6 +15,18 @@ import pandas as pd
 #: "Concrete Inputs" are ["", "", "<peer group rank>", "<tag>"]) and gloo's range from the
 #: post until wait() returns ("Input Dims" / "Input type" give the message size).
 P2P_OP_NAMES = frozenset({"c10d::send", "c10d::recv_", "gloo:send", "gloo:recv"})
+#: torch.distributed.pipelining's labels of its p2p (pytorch#178907, "[PP] annotate pipeline
+#: parallel P2P ops with dist.record_comm"): ``dist.record_comm(...)`` around ``_batch_p2p``
+#: makes the Work's profiling title ``PP::<desc> (stage <i>)``, where gloo writes
+#: ``gloo:send`` / ``gloo:recv`` (the main thread's range from the post until wait() returns)
+#: and NCCL ``nccl:send`` (around the kernel's launch). ``desc`` is the schedule's name for the
+#: batch (torch 2.13 schedules.py, ``_batch_p2p(..., desc=...)``): fwd_send, fwd_recv,
+#: bwd_send, bwd_recv, and for a batch of both kinds fwd_send_bwd_recv / bwd_send_fwd_recv;
+#: the stage is the one posting (a send's sender, a recv's receiver). torch 2.13 has
+#: record_comm but its schedules do not call it yet.
+PP_COMM_PREFIX = "PP::"
+_PP_COMM = re.compile(r"^PP::((?:fwd|bwd)_(?:send|recv)(?:_(?:fwd|bwd)_(?:send|recv))*)(?: \(stage (\d+)\))?$")
+_PP_PART = re.compile(r"(fwd|bwd)_(send|recv)")
 #: torch.profiler's "Input type" names -> bytes per element
 DTYPE_BYTES = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
@@ -21,12 +35,29 @@ DTYPE_BYTES = {
 }
 
 
+def pp_comm_label(name) -> tuple[str, str, int] | None:
+    """``PP::fwd_send_bwd_recv (stage 1)`` -> (the direction of its sends, of its recvs:
+    "fwd" / "bwd" / "" where it has none or both, its stage or -1); None for any other name."""
+    if not isinstance(name, str) or not name.startswith(PP_COMM_PREFIX):
+        return None
+    m = _PP_COMM.match(name)
+    if m is None:
+        return None
+    parts = _PP_PART.findall(m.group(1))
+    sides = {side: {d for d, s in parts if s == side} for side in ("send", "recv")}
+    send, recv = (next(iter(sides[k])) if len(sides[k]) == 1 else "" for k in ("send", "recv"))
+    return send, recv, int(m.group(2)) if m.group(2) else -1
+
+
 def p2p_positions(names: list) -> list:
-    """Positions of P2P_OP_NAMES in a slice's names (set lookups in C: this runs per event)."""
+    """Positions of P2P_OP_NAMES and torch's PP:: p2p labels in a slice's names (set lookups
+    in C: this runs per event; the labels are found among the distinct names)."""
     try:
-        return list(compress(range(len(names)), map(P2P_OP_NAMES.__contains__, names)))
+        wanted = P2P_OP_NAMES.union(n for n in set(names) if pp_comm_label(n) is not None)
+        return list(compress(range(len(names)), map(wanted.__contains__, names)))
     except TypeError:  # an unhashable name (a list): test value by value
-        return [i for i, n in enumerate(names) if type(n) is str and n in P2P_OP_NAMES]
+        return [i for i, n in enumerate(names)
+                if type(n) is str and (n in P2P_OP_NAMES or pp_comm_label(n) is not None)]
 
 
 def raw_value(raw):

@@ -39,7 +39,7 @@ def test_torch_names_parse():
         "PP:0F3", "PP:12I7", "PP:5SEND_B2", "PP:1RECV_F0", "PP:(7F5;0B1)OVERLAP_F_B", "PP:1UNSHARD",
         "Forward 3", "Backward 0", "c10d::send", "c10d::recv_", "gloo:send", "gloo:recv",
         "autograd::engine::evaluate_function: AddBackward0", "aten::mm", "Forward pass", None,
-    ]).to_dict("records")
+    ])[["kind", "stage", "act", "mb", "send"]].to_dict("records")  # PP:: labels: test_infer_labels.py
     assert table[0] == {"kind": "pass", "stage": 0, "act": "F", "mb": 3, "send": False}
     assert table[1] == {"kind": "pass", "stage": 12, "act": "I", "mb": 7, "send": False}
     assert table[2] == {"kind": "pp_p2p", "stage": 5, "act": "B", "mb": 2, "send": True}
@@ -528,18 +528,20 @@ def test_plain_device_mesh_pipelines_from_mesh_pp(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_plain_megatron_core(tmp_path, schedule):
+@pytest.mark.parametrize("schedule, world", [("1f1b", 4), ("interleaved", 4), ("interleaved", 2)])
+def test_plain_megatron_core(tmp_path, schedule, world):
     """Megatron-Core names nothing in a torch.profiler trace: the layout comes from its
     PIPELINE_MODEL_PARALLEL_GROUP, passes from the ops between posts, and the schedule, with
-    every pass's microbatch and model chunk, from their order."""
+    every pass's microbatch and model chunk, from their order. With two stages the stage
+    order cannot tell the interleaved schedule's forward wrap-around from a backward message:
+    the directions come from the passes (test_infer_pp2.py), with no warning."""
     pytest.importorskip("megatron.core")
     from megatron_run import load_truth, run
 
-    out = run(tmp_path / "run", schedule, world=4, microbatches=8, steps=3, profile_steps="1-2", mode="plain",
+    out = run(tmp_path / "run", schedule, world=world, microbatches=8, steps=3, profile_steps="1-2", mode="plain",
               fwd_ms=20, bwd_ms=40)
     loaded, truth = load_run(out, use_cache=False), load_truth(out)
-    assert (loaded.layout.pp, loaded.layout.dp) == (4, 1)
+    assert (loaded.layout.pp, loaded.layout.dp) == (world, 1)
     assert [loaded.layout.coords(r).pp for r in sorted(truth)] == [truth[r]["pp_rank"] for r in sorted(truth)]
     assert (loaded.schedule, loaded.microbatches, loaded.vpp) == (schedule, 8, 2 if schedule == "interleaved" else 1)
     ev = loaded.events
@@ -558,6 +560,6 @@ def test_plain_megatron_core(tmp_path, schedule):
     from pptrace.whatif.predict import whatif
 
     assert abs(whatif(loaded)["replay"]["error_fraction"]) < 0.10
-    boundaries = 4 * (2 if schedule == "interleaved" else 1) - 1
+    boundaries = world * (2 if schedule == "interleaved" else 1) - 1
     assert len(loaded.pairs[loaded.pairs["step"].isin(PROFILED)]) == 2 * boundaries * 8 * len(PROFILED)
-    assert not [w for w in loaded.warnings if "no matching" in w]
+    assert not [w for w in loaded.warnings if "no matching" in w or "implausible" in w]

@@ -18,7 +18,12 @@ marks each such row ``inferred``:
   send of a rank pairs with the k-th recv of its neighbour; an op still unplaced is left
   out (its wait never booked as transfer). :func:`.write._p2p_rows` builds the rows from a
   table of ops (rank, step, is_send, peer, dir, mb, stage, bytes, post/wire times) whatever
-  transport they came from.
+  transport they came from. torch's ``PP::fwd_send (stage i)`` labels (``dist.record_comm``,
+  ingest/p2p_args.pp_comm_label) stand where gloo writes ``gloo:send`` and give the op's
+  direction and stage; a label of a batch of both kinds (``PP::fwd_send_bwd_recv``) its side
+  from its post. With two stages the stage order cannot tell an interleaved schedule's forward
+  wrap-around from a backward message: where the passes beside the ops read the guessed
+  directions otherwise, the passes' reading stands (pipeline.directions_of_two_stages).
 - passes: ``PP:<stage><F|B|I|W><mb>``, ``PP:(<sub>;<sub>)OVERLAP_F_B`` (DualPipeV: split at
   its first autograd op) and ``Forward i`` / ``Backward i`` (GPipe) become appended
   ``compute:<op> mb= chunk=`` rows. Those ranges start with the wait on a recv posted
@@ -43,12 +48,16 @@ marks each such row ``inferred``:
   where they disagree (consistency.py says so in one line, as it says any other
   implausible structure).
 
+- collectives: each gloo worker-thread collective by its process group, from the ranks it ran
+  with (collectives.py): ``<dim>:<op>`` rows on its thread, the world's step-end one tagged as
+  contract 3's.
+
 The inferred rows (cat ``pptrace_inferred``) are appended rather than written over the
 foreign ranges because their times differ (a pass without its wait, a p2p op with its post)
 and Schedule1F1B has no range to write on; the foreign rows stay as the trace has them.
 Everything inferred is listed in ``Inference.inferred`` (``Run.inferred``).
 
-Each step is a module (names, p2p, passes, pipeline, schedule, consistency, write; evidence
+Each step is a module (names, p2p, passes, pipeline, schedule, consistency, collectives, write; evidence
 for the claims check); this one runs them in order and holds the names the rest of pptrace
 uses.
 """
@@ -59,12 +68,14 @@ import pandas as pd
 
 from ...sweeps import inside
 from ...topology import Layout
+from .collectives import collective_rows
 from .consistency import check_structure
 from .evidence import TORCH_SCHEDULE_PREFIX, chunks_of, p2p_chain, passes_of, schedule_fits
 from .names import name_table
-from .p2p import NO_PEERS_HINT, dim_groups, p2p_ops, peers_said
+from .p2p import NO_PEERS_HINT, dim_groups, label_sides, p2p_ops, peers_said
 from .passes import infer_passes
-from .pipeline import add_directions, fill_peers, find_pipeline, fit_layout, number_messages
+from .pipeline import (add_directions, directions_of_two_stages, fill_peers, find_pipeline, fit_layout,
+                       number_messages)
 from .result import Inference
 from .schedule import fill_schedule, microbatches_of
 from .write import write_inference
@@ -101,9 +112,10 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None, c
     rows = events.loc[known, ["rank", "pid", "tid", "step", "start_ns", "end_ns", "tags", "bytes"]].copy()
     rows["kind"] = kind[known]
     c = codes[known]
-    for col in ("stage", "act", "mb", "send"):
+    for col in ("stage", "act", "mb", "send", "send_dir", "recv_dir"):
         rows[col] = table[col].to_numpy()[c]
     rows["name"] = events.loc[known, "name"].astype(object).to_numpy()
+    rows = label_sides(rows)
 
     ops = p2p_ops(rows, metas, out)
     unknown = (ops["peer"] < 0).to_numpy()
@@ -129,6 +141,13 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None, c
                         *(optimizer[c].to_numpy() for c in ("rank", "start_ns", "end_ns")))]
     steps = events.loc[main & is_step, ["rank", "step", "start_ns", "end_ns"]]
     passes = infer_passes(rows, ops, work, steps, pp or 1)
+    reread = directions_of_two_stages(ops, lambda blind: infer_passes(rows, blind, work, steps, pp), pp)
+    if reread is not None:
+        ops, passes = reread
+        out.inferred["directions"] = (
+            "from the passes beside each p2p op (a send after a forward carries an activation, after a backward a "
+            "gradient): with two stages the stage order cannot tell an interleaved schedule's forward wrap-around "
+            "from a backward message")
     if stage_of is not None:
         ops = fill_peers(ops, passes, rows, stage_of, pp, out.groups)
     peers_said(ops, unknown, out)
@@ -139,7 +158,14 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None, c
     passes = fill_schedule(rows, passes, stage_of, pp, v, out)
     named = bool(set(rows["kind"].unique()) & {"pass", "gpipe", "overlap"})
     check_structure(passes, ops, steps, stage_of, pp, named, out)
-    out.events = write_inference(events, ops, passes)
+    run_layout = layout if layout is not None else out.layout
+    host = np.unique(events.loc[main, "rank"].to_numpy())
+    comm = collective_rows(events, metas, run_layout, host, offsets) if run_layout is not None else None
+    if comm is not None:
+        out.inferred["collectives"] = (
+            "gloo's worker-thread collectives by their process group: the ranks each one ran with (its range ends "
+            "nearest theirs, mutually), the group's pg_desc or the layout's dim, the world's as dp")
+    out.events = write_inference(events, ops, passes, comm)
     return out
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 
 from ...ingest.schema import tags_of
+from ...sweeps import lane_keys
 from .result import Inference
 
 _DIR = {"F": "fwd", "B": "bwd"}
@@ -19,7 +20,7 @@ NO_PEERS_HINT = ("profile with record_shapes=True (torch.profiler) so pptrace ca
                  "with recvs exactly")
 
 
-def _process_groups(metas: dict) -> dict:
+def process_groups(metas: dict) -> dict:
     """rank -> [(desc, ranks)] from distributedInfo.pg_config."""
     out = {}
     for rank, meta in metas.items():
@@ -33,12 +34,42 @@ def _process_groups(metas: dict) -> dict:
 def dim_groups(metas: dict) -> dict:
     """dim -> {rank: ranks of its group along dim} for groups pg_config names (pp, tp, cp)."""
     out: dict = {}
-    for rank, groups in _process_groups(metas).items():
+    for rank, groups in process_groups(metas).items():
         for desc, ranks in groups:
             dim = _GROUP_DESC.get(desc)
             if dim and rank in ranks:
                 out.setdefault(dim, {})[rank] = ranks
     return out
+
+
+def label_sides(rows: pd.DataFrame) -> pd.DataFrame:
+    """rows with the side (``send``) of each torch ``PP::`` label that names sends and recvs
+    (a batch posted together, ``PP::fwd_send_bwd_recv``): that of the c10d post its range
+    starts in or after (each op of the batch is posted, then its Work's range opens)."""
+    both = ((rows["kind"] == "wire") & (rows["send_dir"] != "") & (rows["recv_dir"] != "")).to_numpy()
+    if not both.any():
+        return rows
+    posts = rows[(rows["kind"] == "post").to_numpy()]
+    found, side = _post_side(posts, rows["rank"].to_numpy(np.int64)[both], rows["start_ns"].to_numpy(np.int64)[both])
+    rows = rows.copy()
+    send = rows["send"].to_numpy(bool).copy()
+    send[np.flatnonzero(both)[found]] = side[found]
+    rows["send"] = send
+    return rows
+
+
+def _post_side(posts: pd.DataFrame, rank: np.ndarray, t: np.ndarray) -> tuple:
+    """Per query (rank, t): whether a post of that rank starts at or before t, and whether
+    the last such is a send."""
+    p_rank, p_start = posts["rank"].to_numpy(np.int64), posts["start_ns"].to_numpy(np.int64)
+    if not len(p_start):
+        return np.zeros(len(t), bool), np.zeros(len(t), bool)
+    order = np.lexsort((p_start, p_rank))
+    p_rank, p_start, p_send = p_rank[order], p_start[order], posts["send"].to_numpy(bool)[order]
+    key, q_key = lane_keys([p_rank, rank], [p_start, t])
+    i = np.searchsorted(key, q_key, side="right") - 1
+    k = np.clip(i, 0, len(p_start) - 1)
+    return (i >= 0) & (p_rank[k] == rank), p_send[k]
 
 
 def p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
@@ -76,7 +107,10 @@ def p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
             posts[col] = posts[col].where(inside, empty)
     else:
         posts = posts.assign(n_stage=-1, n_mb=-1, n_dir="")
-    wires = wires.assign(index=wires.index.to_numpy())
+    # a PP:: label names the direction and stage of its op itself
+    send = wires["send"].to_numpy(bool)
+    wires = wires.assign(index=wires.index.to_numpy(), w_stage=wires["stage"].to_numpy(np.int64),
+                         w_dir=np.where(send, wires["send_dir"].to_numpy(object), wires["recv_dir"].to_numpy(object)))
     ops = pd.merge_asof(
         wires.sort_values("start_ns"),
         posts[["rank", "send", "post_index", "post_start", "group_peer", "tag", "n_stage", "n_dir", "n_mb"]]
@@ -92,7 +126,8 @@ def p2p_ops(rows: pd.DataFrame, metas: dict, out: Inference) -> pd.DataFrame:
         "step": ops["step"].to_numpy(np.int64), "is_send": ops["send"].to_numpy(bool),
         "start_ns": ops["start_ns"].to_numpy(np.int64), "end_ns": ops["end_ns"].to_numpy(np.int64),
         "peer": peer, "tag": ops["tag"].fillna(0).to_numpy(np.int64),
-        "stage": ops["n_stage"].fillna(-1).to_numpy(np.int64), "dir": ops["n_dir"].fillna("").to_numpy(object),
+        "stage": np.where(ops["w_stage"] >= 0, ops["w_stage"], ops["n_stage"].fillna(-1)).astype(np.int64),
+        "dir": np.where(ops["w_dir"] != "", ops["w_dir"], ops["n_dir"].fillna("")).astype(object),
         "mb": ops["n_mb"].fillna(-1).to_numpy(np.int64), "bytes": ops["bytes"].astype("Int64"),
     }).sort_values(["rank", "start_ns"], kind="stable").reset_index(drop=True)
     if (ops["peer"] >= 0).any():

@@ -10,6 +10,7 @@ import pandas as pd
 from ...sweeps import lane_keys
 from ...topology import Layout
 from ...vocab import BWD, FWD, LAYOUT_ORDERS
+from .names import staged
 from .p2p import dim_groups
 from .result import Inference
 
@@ -20,7 +21,7 @@ def find_pipeline(rows: pd.DataFrame, ops: pd.DataFrame, metas: dict, out: Infer
     the ranks start in on ``clock`` (rank -> ns to subtract; None: the traces' own, one
     host's); (None, None, 1) when none says. ``out.groups``: each rank's pipeline, by
     position, where known."""
-    named = rows[rows["kind"].isin(["pass", "pp_p2p"])]
+    named = rows[staged(rows)]
     v = 1
     if len(named):
         per_rank = named.groupby("rank")["stage"].agg(["min", "nunique"])
@@ -165,10 +166,12 @@ def fit_layout(stage_of: dict, pp: int, world: int, metas: dict, out: Inference)
 
 
 def add_directions(ops: pd.DataFrame, stage_of: dict, pp: int | None) -> pd.DataFrame:
-    """Direction where no name gave it and the peer is known (towards the next stage: fwd)."""
+    """Direction where no name gave it and the peer is known (towards the next stage: fwd);
+    ``guessed`` marks the ops whose direction only the stage order gave."""
     if ops.empty:
         return ops
     ops = ops.copy()
+    named = ops["dir"].to_numpy(object) != ""
     src = np.where(ops["is_send"], ops["rank"], ops["peer"])
     dst = np.where(ops["is_send"], ops["peer"], ops["rank"])
     s_src = pd.Series(src).map(stage_of).fillna(-1).to_numpy()
@@ -177,8 +180,34 @@ def add_directions(ops: pd.DataFrame, stage_of: dict, pp: int | None) -> pd.Data
     # the last stage to the first (with two stages, next and previous are one rank: by order)
     ahead = (s_dst - s_src) % pp == 1 if pp and pp > 2 else s_dst > s_src
     guess = np.where((ops["peer"] >= 0) & (s_src >= 0) & (s_dst >= 0), np.where(ahead, "fwd", "bwd"), "")
-    ops["dir"] = np.where(ops["dir"] != "", ops["dir"], guess)
+    ops["dir"] = np.where(named, ops["dir"], guess)
+    ops["guessed"] = ~named & (guess != "")
     return ops
+
+
+#: With two stages the next stage and the previous one are one rank: the stage order cannot
+#: tell an interleaved schedule's forward wrap-around (last stage to the first one's second
+#: chunk) from a backward message. When the passes beside the ops read this share of them the
+#: other way, the passes' reading stands.
+CONTRADICTED_SHARE = 0.10
+
+
+def directions_of_two_stages(ops: pd.DataFrame, infer, pp) -> tuple | None:
+    """(ops, passes) re-read with each op's direction from the passes beside it, for a
+    two-stage pipeline whose guessed directions (stage order: add_directions) the passes
+    contradict (CONTRADICTED_SHARE); None when they agree (the stage order stands) or there
+    is nothing guessed. ``infer``: ops -> passes, run on the ops with the guesses taken back
+    so that no direction from the stage order shapes the passes."""
+    if pp != 2 or ops.empty or "guessed" not in ops or not ops["guessed"].any():
+        return None
+    guessed = ops["guessed"].to_numpy(bool)
+    blind = ops.assign(dir=np.where(guessed, "", ops["dir"].to_numpy(object)))
+    passes = infer(blind)
+    found = pass_directions(blind, passes)
+    compared = guessed & (found != "")
+    if not compared.any() or (found[compared] != ops["dir"].to_numpy(object)[compared]).mean() < CONTRADICTED_SHARE:
+        return None
+    return blind.assign(dir=np.where(compared, found, ops["dir"].to_numpy(object)), guessed=False), passes
 
 
 def number_messages(ops: pd.DataFrame) -> pd.DataFrame:
@@ -210,23 +239,13 @@ def fill_peers(ops: pd.DataFrame, passes: pd.DataFrame, rows: pd.DataFrame, stag
     send = ops["is_send"].to_numpy(bool)
     direction = ops["dir"].to_numpy(object).copy()
     need = unknown & (direction == "")
-    if need.any() and len(passes):
-        post = np.where(ops["post_start"].to_numpy(np.int64) >= 0, ops["post_start"].to_numpy(np.int64),
-                        ops["start_ns"].to_numpy(np.int64))
-        p_rank = passes["rank"].to_numpy(np.int64)
-        p_op = passes["op"].astype(str).to_numpy(object)
-        before = _pass_at(p_rank, passes["end_ns"].to_numpy(np.int64), p_op, rank, post, after=False)
-        after = _pass_at(p_rank, passes["start_ns"].to_numpy(np.int64), p_op, rank,
-                         ops["end_ns"].to_numpy(np.int64), after=True)
-        found = np.where(send, before, after)
-        ok = np.isin(found, [FWD, BWD])
-        direction[need & ok] = found[need & ok]
+    found = pass_directions(ops, passes)
+    direction[need & (found != "")] = found[need & (found != "")]
     ahead = (send & (direction == "fwd")) | (~send & (direction == "bwd"))
     position = pd.Series(rank).map(stage_of).to_numpy(float)
     # a stage the name gives: its neighbour's position is where that stage runs
     named = ops["stage"].to_numpy(np.int64)
-    stages = rows.loc[rows["kind"].isin(["pass", "pp_p2p"]).to_numpy() & (rows["stage"] >= 0).to_numpy(),
-                      ["rank", "stage"]].drop_duplicates("stage")
+    stages = rows.loc[staged(rows) & (rows["stage"] >= 0).to_numpy(), ["rank", "stage"]].drop_duplicates("stage")
     where = pd.Series(stages["rank"].map(stage_of).to_numpy(float), index=stages["stage"].to_numpy())
     # a send's stage is its own; a recv's too (PP:3RECV_F1 receives into stage 3)
     neighbour = np.where(ahead, named + 1, named - 1)
@@ -244,6 +263,25 @@ def fill_peers(ops: pd.DataFrame, passes: pd.DataFrame, rows: pd.DataFrame, stag
     ops["peer"], ops["dir"] = peer, direction
     ops.attrs["peers_inferred"] = int((unknown & (peer >= 0)).sum())
     return ops
+
+
+def pass_directions(ops: pd.DataFrame, passes: pd.DataFrame) -> np.ndarray:
+    """Each p2p op's direction from the passes beside it: a send hands on the output of the
+    pass that ended before its post, a recv's wait returns right before the pass that takes
+    its input; "" where no pass says."""
+    found = np.full(len(ops), "", dtype=object)
+    if ops.empty or passes is None or passes.empty:
+        return found
+    rank = ops["rank"].to_numpy(np.int64)
+    post = np.where(ops["post_start"].to_numpy(np.int64) >= 0, ops["post_start"].to_numpy(np.int64),
+                    ops["start_ns"].to_numpy(np.int64))
+    p_rank = passes["rank"].to_numpy(np.int64)
+    p_op = passes["op"].astype(str).to_numpy(object)
+    before = _pass_at(p_rank, passes["end_ns"].to_numpy(np.int64), p_op, rank, post, after=False)
+    after = _pass_at(p_rank, passes["start_ns"].to_numpy(np.int64), p_op, rank, ops["end_ns"].to_numpy(np.int64),
+                     after=True)
+    found = np.where(ops["is_send"].to_numpy(bool), before, after)
+    return np.where(np.isin(found, [FWD, BWD]), found, "").astype(object)
 
 
 def _pass_at(p_rank, p_time, p_op, rank, t, after: bool) -> np.ndarray:

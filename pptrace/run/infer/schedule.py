@@ -22,7 +22,9 @@ def fill_schedule(rows: pd.DataFrame, passes: pd.DataFrame, stage_of, pp, v: int
         "ops before a post, a loss's own backward() calls part of its forward; mb and chunk by their order)"
         if by_order else
         "from PyTorch's pass ranges (PP:<stage><action><mb>, Forward i / Backward i), less the recv wait they include")
-    out.inferred["p2p"] = "gloo:send / gloo:recv ranges, from the post until wait() returned"
+    labelled = rows.loc[(rows["kind"] == "wire").to_numpy(), "name"].astype(str).str.startswith("PP::").any()
+    out.inferred["p2p"] = ("torch's PP:: p2p labels (direction and stage from the label)" if labelled else
+                           "gloo:send / gloo:recv ranges") + ", from the post until wait() returned"
     named = rows[rows["kind"] == "pass"]
     how = None
     if "gpipe" in kinds:

@@ -7,18 +7,25 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 
-def write_inference(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame) -> pd.DataFrame:
-    """events with the inferred rows appended (the foreign rows stay as they are)."""
-    rows = [r for r in (_p2p_rows(ops), _pass_rows(passes)) if r is not None]
+def write_inference(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame, *more: dict | None) -> pd.DataFrame:
+    """events with the inferred rows appended (the foreign rows stay as they are); ``more``:
+    further rows in the same columns (collectives.collective_rows), a column one lacks null."""
+    rows = [r for r in (_p2p_rows(ops), _pass_rows(passes), *more) if r is not None]
     if not rows:
         return events
     new = {}
-    for k, first in rows[0].items():
-        if isinstance(first, pd.arrays.IntegerArray):
-            new[k] = _int_column(np.concatenate([r[k].to_numpy(np.int64, na_value=-1) for r in rows]))
+    for k in dict.fromkeys(k for r in rows for k in r):
+        parts = [r.get(k) if r.get(k) is not None else np.full(len(r["rank"]), None, dtype=object) for r in rows]
+        if k in _INT_TAGS:
+            new[k] = _int_column(np.concatenate([p.to_numpy(np.int64, na_value=-1) if isinstance(p, pd.arrays.IntegerArray)
+                                                 else np.asarray(p, np.int64) for p in parts]))
         else:
-            new[k] = np.concatenate([r[k] for r in rows])
+            new[k] = np.concatenate(parts)
     return _append(events, new)
+
+
+#: the nullable integer columns of the appended rows (-1: null)
+_INT_TAGS = ("mb", "chunk", "peer", "bytes")
 
 
 def _contract_names(kind: str, op: np.ndarray, tags: dict) -> np.ndarray:
