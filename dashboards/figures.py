@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 
 from pptrace import vocab
 
+from .ep_figures import ep_load_figure, ep_pairs_figure, has_ep
 from .style import (
     PART_COLORS,
     PARTS,
@@ -315,8 +316,8 @@ def straggler_figure(report: dict) -> go.Figure:
 
 def report_figures(report: dict) -> dict[str, go.Figure]:
     """The report's views that apply to its run: no bubble, p2p links or pp_bubble on a run
-    without a pipeline, no communication views on a run that did not communicate, no
-    stragglers among fewer than two ranks. An empty panel would read as a measured zero."""
+    without a pipeline, no communication views on a run that did not communicate, no ep panel
+    without ep, no stragglers among fewer than two ranks. An empty panel would read as a measured zero."""
     pipeline = _pp_size(report) > 1
     ranks = [r for r in report.get("ranks") or [] if r.get("mean")]
     links = (report.get("p2p") or {}).get("links") or []
@@ -331,6 +332,10 @@ def report_figures(report: dict) -> dict[str, go.Figure]:
         figures["p2p_links"] = p2p_matrix_figure(report)
     if dims or _split_rows(report):
         figures["collectives"] = collectives_figure(report)
+    if has_ep(report):
+        figures["ep_load"] = ep_load_figure(report)
+        if (report.get("ep") or {}).get("pairs"):
+            figures["ep_pairs"] = ep_pairs_figure(report)
     if len(ranks) >= 2:
         figures["stragglers"] = straggler_figure(report)
     return {key: cheap_ticks(fig) for key, fig in figures.items()}

@@ -57,6 +57,12 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def splits_tag(counts) -> str:
+    """Per-peer (or per-expert) row counts as one tag value, ``12,12,30,12``: in group-rank
+    order, which is the ranks' sorted order (``new_group`` sorts them)."""
+    return ",".join(str(int(n)) for n in counts)
+
+
 # -- communication -------------------------------------------------------------------------
 def _all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group, op: str, layer, direction=None,
                 log: list | None = None, **tags) -> torch.Tensor:
@@ -66,7 +72,8 @@ def _all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group, op: s
         return x
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with region(f"ep:{op}", layer=layer, bytes=_nbytes(x), tokens=int(x.shape[0]), dir=direction, **tags):
+    with region(f"ep:{op}", layer=layer, bytes=_nbytes(x), tokens=int(x.shape[0]), send=splits_tag(in_splits),
+                recv=splits_tag(out_splits), dir=direction, **tags):
         start = time.time_ns()
         dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
         if log is not None:
@@ -127,7 +134,8 @@ def _post(x: torch.Tensor, out_splits: list, in_splits: list, group, op: str, la
         return _Posted(x, None, op, ident)
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with region(f"ep:{op}", layer=layer, bytes=_nbytes(x), tokens=int(x.shape[0]), dir=direction, **tags):
+    with region(f"ep:{op}", layer=layer, bytes=_nbytes(x), tokens=int(x.shape[0]), send=splits_tag(in_splits),
+                recv=splits_tag(out_splits), dir=direction, **tags):
         start = time.time_ns()
         work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                       group=group, async_op=True)
@@ -273,7 +281,8 @@ class MoELayer(nn.Module):
     def _experts(self, arrived, plan: _Plan, **tags):
         grouped = arrived[plan.by_expert]
         outs = []
-        with region("compute:expert", layer=self.layer, tokens=int(grouped.shape[0]), **tags):
+        with region("compute:expert", layer=self.layer, tokens=int(grouped.shape[0]),
+                    per_expert=splits_tag(plan.per_expert), **tags):
             for part, expert in zip(torch.split(grouped, plan.per_expert), self.experts.values()):
                 outs.append(expert(part))
         done = torch.empty_like(grouped)
@@ -350,7 +359,8 @@ class _OverlappedExperts(torch.autograd.Function):
         param_grads = [torch.zeros_like(p) for p in params]
 
         def experts(half, grad):
-            with region("compute:expert", layer=layer, tokens=int(grad.shape[0]), half=half, dir="bwd"):
+            with region("compute:expert", layer=layer, tokens=int(grad.shape[0]),
+                        per_expert=splits_tag(plans[half].per_expert), half=half, dir="bwd"):
                 # kept: ZB-H1's weight pass walks this backward again after its input pass
                 grads = torch.autograd.grad(ctx.outs[half], (ctx.leaves[half], *params), grad,
                                             retain_graph=True, allow_unused=True)
@@ -434,6 +444,8 @@ class SleepMoE:
     imbalance: Imbalance | None = None
     device: torch.device = torch.device("cpu")
     overlap_group: object = None
+    #: experts per ep rank: a pass's tokens spread evenly over them (the ``per_expert`` tag)
+    local_experts: int = 1
     #: where the all-to-all calls' (start, end) go, time_ns (the train loop points it at the
     #: step's truth); within their ranges, so a pass less its calls bounds its compute. With
     #: the overlap: from the post to the completion, as gloo's worker saw it
@@ -459,8 +471,9 @@ class SleepMoE:
         tokens = self.received if tokens is None else tokens
         return tokens * self.us_per_token / 1e6 * (BWD_PER_FWD if phase != "fwd" else 1.0)
 
-    def _sleep_experts(self, sleep, seconds: float, **tags) -> None:
-        with region("compute:expert", **tags):
+    def _sleep_experts(self, sleep, seconds: float, tokens: int, **tags) -> None:
+        share = [tokens // self.local_experts + (i < tokens % self.local_experts) for i in range(self.local_experts)]
+        with region("compute:expert", tokens=tokens, per_expert=splits_tag(share), **tags):
             start = time.time_ns()
             sleep(seconds)
             if self.computes is not None:
@@ -478,7 +491,7 @@ class SleepMoE:
                 continue
             x = torch.zeros((sum(send), self.hidden), device=self.device)
             y = _all_to_all(x, recv, send, self.group, first, layer, direction, self.calls, mb=mb)
-            self._sleep_experts(sleep, self.expert_s(phase), layer=layer, mb=mb, tokens=int(y.shape[0]), dir=direction)
+            self._sleep_experts(sleep, self.expert_s(phase), int(y.shape[0]), layer=layer, mb=mb, dir=direction)
             _all_to_all(y, send, recv, self.group, second, layer, direction, self.calls, mb=mb)
 
     def _run_overlapped(self, mb: int, layer: int, phase: str, sleep) -> None:
@@ -488,8 +501,8 @@ class SleepMoE:
         group, log, blocked = self.overlap_group, self.calls, self.blocked
 
         def experts(half, arrived):
-            self._sleep_experts(sleep, self.expert_s(phase, int(arrived.shape[0])), layer=layer, mb=mb,
-                                tokens=int(arrived.shape[0]), half=half, dir=direction)
+            self._sleep_experts(sleep, self.expert_s(phase, int(arrived.shape[0])), int(arrived.shape[0]),
+                                layer=layer, mb=mb, half=half, dir=direction)
             return arrived
 
         run_overlapped(

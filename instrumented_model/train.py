@@ -64,7 +64,8 @@ def _sleep_moe(config: TrainConfig, gpt, pstate, overlap_group=None):
               for c in range(config.vpp)]
     tokens = num_local_tokens(gpt, pstate, config.micro_batch_size) // (config.tp if config.sp else 1)
     return SleepMoE(layers, tokens, config.topk, config.hidden, config.expert_us_per_token, pstate.ep_group,
-                    config.ep, pstate.ep_rank, config.moe_imbalance, pstate.device, overlap_group)
+                    config.ep, pstate.ep_rank, config.moe_imbalance, pstate.device, overlap_group,
+                    local_experts=config.experts // config.ep)
 
 
 class _NoProfile:

@@ -25,8 +25,9 @@ RANGE_KINDS = ("compute", "tp", "cp", "pp", "dp", "ep")
 KIND_GROUP_DIMS = MappingProxyType({"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp"), "ep": ("ep",), "pp": ("pp",)})
 
 #: Tags that say how much a rank moved, not which call it is: an all-to-all's (alltoallv)
-#: differ from rank to rank within one instance.
-SIZE_TAGS = ("bytes", "tokens")
+#: differ from rank to rank within one instance (``send`` / ``recv``: its rows to / from
+#: each peer of its group, ``12,12,30,12`` in group-rank order).
+SIZE_TAGS = ("bytes", "tokens", "send", "recv")
 
 #: Megatron's default rank order (fastest-varying first).
 DEFAULT_ORDER = "tp-cp-dp-pp"

@@ -12,16 +12,19 @@ import numpy as np
 import pandas as pd
 
 from ..naming import parse_name
+from ..timeline.activity import kernel_dim
 from ..vocab import COMM_CATEGORIES, COMM_DIMS, is_step_end
 
 COLUMNS = ("dim", "count", "bytes", "time_s", "exposed_s", "hidden_s", "wait_s", "transfer_s", "ops")
 
 
 def instance_waits(inst: pd.DataFrame) -> pd.DataFrame:
-    """Per (instance, rank): wait_ns (last arrival - own arrival), transfer_ns, is_last."""
+    """Per (instance, rank): wait_ns (last arrival - own arrival), transfer_ns, is_last; with
+    the call's event ``index``, ``op`` and ``group``."""
     if inst is None or inst.empty:
-        return pd.DataFrame(columns=["instance", "rank", "kind", "name", "step", "wait_ns", "transfer_ns", "late_ns", "is_last", "n"])
-    df = inst[["instance", "rank", "kind", "name", "step", "arrive_ns", "leave_ns"]].copy()
+        return pd.DataFrame(columns=["instance", "rank", "kind", "op", "name", "step", "group", "index", "wait_ns",
+                                     "transfer_ns", "late_ns", "is_last", "n"])
+    df = inst[["instance", "rank", "kind", "op", "name", "step", "group", "index", "arrive_ns", "leave_ns"]].copy()
     g = df.groupby("instance")["arrive_ns"]
     df["n"] = g.transform("size")
     last = g.transform("max")
@@ -54,13 +57,7 @@ def step_end_rows(names: pd.Series) -> np.ndarray:
     return names.map(found).to_numpy(bool)
 
 
-def _dim_of_instance(kind: str, name: str) -> str:
-    if kind in COMM_DIMS:
-        return kind
-    return "dp"  # NCCL kernels: the breakdown resolves dims per kernel; here a coarse bucket
-
-
-def _waits(run, inst: pd.DataFrame | None) -> pd.DataFrame:
+def profiled_waits(run, inst: pd.DataFrame | None) -> pd.DataFrame:
     """instance_waits of the profiled steps' collectives of more than one rank, step-end
     all-reduce left out, with their dim."""
     waits = instance_waits(inst if inst is not None else run.collectives)
@@ -69,14 +66,34 @@ def _waits(run, inst: pd.DataFrame | None) -> pd.DataFrame:
     waits = waits[(waits["n"] > 1) & ~step_end_rows(waits["name"])]
     if run.steps:
         waits = waits[waits["step"].isin(list(run.steps))]
-    return waits.assign(dim=[_dim_of_instance(k, n) for k, n in zip(waits["kind"], waits["name"])])
+    kind = waits["kind"].astype(str)
+    dim = kind.where(kind.isin(list(COMM_DIMS)), "dp").to_numpy(object)
+    nccl = (kind == "nccl").to_numpy()
+    if nccl.any():
+        dim[nccl] = _kernel_dims(run, waits[nccl])
+    return waits.assign(dim=dim)
+
+
+def _kernel_dims(run, waits: pd.DataFrame) -> np.ndarray:
+    """The dim of each NCCL collective kernel's instance row as the step partition gives it
+    (activity.kernel_dim: its process group's description, else the layout group its ranks
+    are, an all_to_all on an unknown group ep), once per distinct rank, group, collective and
+    process group."""
+    pg_name = run.events["pg_name"].reindex(waits["index"].to_numpy()).astype(object).to_numpy()
+    key = pd.DataFrame({"rank": waits["rank"].to_numpy(), "group": waits["group"].astype(str).to_numpy(),
+                        "op": waits["op"].astype(str).to_numpy(), "pg": pd.Series(pg_name).astype(str).to_numpy()})
+    codes, uniques = pd.factorize(pd.MultiIndex.from_frame(key))
+    groups = run.process_groups
+    found = np.array([kernel_dim(g, int(r), run.layout, op, None if pg == "nan" else pg, groups.get(int(r)))[0]
+                      for r, g, op, pg in uniques], dtype=object)
+    return found[codes]
 
 
 def waits_by_rank(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
     """rank, dim, wait_s, transfer_s: each rank's collective time per profiled step (mean),
     waiting for the group's last arrival vs after it. Under expert imbalance the ranks of
     the lighter experts wait in the combine for the one with the most tokens."""
-    waits = _waits(run, inst)
+    waits = profiled_waits(run, inst)
     columns = ["rank", "dim", "wait_s", "transfer_s"]
     if waits.empty:
         return pd.DataFrame(columns=columns)
@@ -94,7 +111,7 @@ def collectives_by_dim(run, partitions: list, inst: pd.DataFrame | None = None) 
     if run.steps:
         calls = calls[calls["step"].isin(list(run.steps))]
     n_rank_steps = max(len(partitions), 1)
-    waits = _waits(run, inst)
+    waits = profiled_waits(run, inst)
     rows = []
     for dim in COMM_DIMS:
         mine = calls[calls["kind"] == dim]

@@ -9,6 +9,8 @@ waiting for it. The culprit is that rank, never the waiters.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pandas as pd
 
@@ -21,11 +23,17 @@ IMBALANCED = 1.10
 COLUMNS = ("rank", "ep_group", "tokens", "share_of_mean", "hottest", "wait_cost_s")
 
 
-def expert_tags(tags: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, backward) of each ``compute:expert`` row from its ``tags`` column, one parse per
-    distinct value; tokens NaN where a range has no usable ``tokens`` tag."""
+class ExpertTags(NamedTuple):
+    tokens: np.ndarray  # float, NaN where a range has no usable ``tokens`` tag
+    backward: np.ndarray  # bool: a ``dir=bwd`` range
+    per_expert: np.ndarray  # object: the ``per_expert`` counts as a list, None where absent or not adding up
+
+
+def expert_tags(tags: pd.Series) -> ExpertTags:
+    """The tags of each ``compute:expert`` row from its ``tags`` column, one parse per
+    distinct value."""
     codes = tags.astype("category")
-    tokens, backward = [], []
+    tokens, backward, per_expert = [], [], []
     for text in codes.cat.categories:
         try:
             parsed = tags_of(str(text))
@@ -37,9 +45,51 @@ def expert_tags(tags: pd.Series) -> tuple[np.ndarray, np.ndarray]:
         except (TypeError, ValueError):
             tokens.append(np.nan)
         backward.append(parsed.get("dir") == "bwd")
+        try:
+            counts = [int(v) for v in str(parsed["per_expert"]).split(",")]
+        except (KeyError, ValueError):
+            counts = None
+        per_expert.append(counts if counts and min(counts) >= 0 and sum(counts) == tokens[-1] else None)
     # code -1 (no tags at all) reads the appended last entry
     c = codes.cat.codes.to_numpy()
-    return np.array([*tokens, np.nan])[c], np.array([*backward, False])[c]
+    return ExpertTags(np.array([*tokens, np.nan])[c], np.array([*backward, False])[c],
+                      np.array([*per_expert, None], dtype=object)[c])
+
+
+def _forward_experts(run) -> pd.DataFrame:
+    """The profiled steps' forward ``compute:expert`` rows (a backward moves the same tokens)."""
+    ev = run.events
+    sel = (ev["category"] == "compute").to_numpy() & (ev["op"] == "expert").to_numpy() & (ev["step"] >= 0).to_numpy()
+    if run.steps:
+        sel &= ev["step"].isin(list(run.steps)).to_numpy()
+    return ev[sel]
+
+
+def expert_tokens(run) -> pd.DataFrame:
+    """Tokens per expert per step: one row per (rank, step, expert) from the ``per_expert``
+    tags (the counts of the rank's local experts; expert ``ep_rank * local + i``, Megatron's
+    local expert indices). Empty without them."""
+    columns = ["rank", "step", "expert", "tokens"]
+    rows = _forward_experts(run)
+    if rows.empty:
+        return pd.DataFrame(columns=columns)
+    parsed = expert_tags(rows["tags"])
+    keep = ~parsed.backward & np.array([c is not None for c in parsed.per_expert], bool)
+    if not keep.any():
+        return pd.DataFrame(columns=columns)
+    counts = parsed.per_expert[keep]
+    lengths = np.fromiter((len(c) for c in counts), np.int64, len(counts))
+    ranks = rows["rank"].to_numpy(np.int64)[keep]
+    layout = run.layout
+    first = {r: layout.expert_coords(r)[0] if r < layout.world_size else 0 for r in np.unique(ranks).tolist()}
+    ep_rank = pd.Series(ranks).map(first).to_numpy(np.int64)
+    local = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    long = pd.DataFrame({
+        "rank": np.repeat(ranks, lengths), "step": np.repeat(rows["step"].to_numpy(np.int64)[keep], lengths),
+        "expert": np.repeat(ep_rank * lengths, lengths) + local,
+        "tokens": np.concatenate(counts).astype(np.int64),
+    })
+    return long.groupby(["rank", "step", "expert"], as_index=False)["tokens"].sum()
 
 
 def expert_load(run, waits: pd.DataFrame) -> pd.DataFrame:
@@ -47,14 +97,10 @@ def expert_load(run, waits: pd.DataFrame) -> pd.DataFrame:
     ``share_of_mean`` in its ep group, whether it is its group's ``hottest`` (only in an
     imbalanced group), and for the hottest the ``wait_cost_s`` per step its group's other
     ranks spent waiting for it (mean over them). Empty without ``compute:expert`` ranges."""
-    ev = run.events
-    sel = (ev["category"] == "compute").to_numpy() & (ev["op"] == "expert").to_numpy() & (ev["step"] >= 0).to_numpy()
-    if run.steps:
-        sel &= ev["step"].isin(list(run.steps)).to_numpy()
-    if not sel.any():
+    rows = _forward_experts(run)
+    if rows.empty:
         return pd.DataFrame(columns=list(COLUMNS))
-    rows = ev[sel]
-    tokens, backward = expert_tags(rows["tags"])  # the forward's tokens: a backward moves the same ones
+    tokens, backward, _ = expert_tags(rows["tags"])  # the forward's tokens: a backward moves the same ones
     per = pd.DataFrame({"rank": rows["rank"].to_numpy(np.int64),
                         "tokens": np.where(backward | np.isnan(tokens), 0, tokens).astype(np.int64)})
     n_steps = max(len(run.steps), 1)

@@ -49,6 +49,11 @@ KNOWN = (
     # and the notify kernels that exchange the token counts before them
     CommKernel(r"\bdeep_ep::(intranode|internode|internode_ll)::\w*(dispatch|combine|notify|barrier)"
                r"|\bdeep_ep::internode_ll::clean_low_latency_buffer", "ep", "DeepEP"),
+    # the same kernels under DeepSeek's internal namespace, as their published DualPipe
+    # training trace (deepseek-ai/profile-data train.json, EP64) names them:
+    # dpsk::ep::internode::{dispatch, combine, notify_dispatch, cached_notify}
+    CommKernel(r"\bdpsk::ep::(intranode|internode|internode_ll)::\w*(dispatch|combine|notify|barrier)",
+               "ep", "DeepEP (dpsk::ep)"),
     CommKernel(r"\bpplx::\w*(dispatch|combine)\w*", "ep", "pplx-kernels"),
     CommKernel(r"\bmori::moe::Ep(Dispatch|Combine)\w*", "ep", "MORI"),
     # NVSHMEM's own device kernels (barriers, collectives, proxy transfers): the MoE

@@ -23,6 +23,7 @@ _RPC_ATTRS = (
     ("Process Group Name", "pg_name"), ("In msg nelems", "in_nelems"),
     ("Out msg nelems", "out_nelems"), ("dtype", "dtype"), ("Seq", "comm_seq"),
     ("Src Rank", "src_rank"), ("Dst Rank", "dst_rank"),
+    ("In split size", "in_splits"), ("Out split size", "out_splits"),
 )
 
 _TS_TEXT = re.compile(rb'"ts"\s*:\s*(-?)(\d+)(?:\.(\d*))?')

@@ -34,6 +34,7 @@ _RPC_FIELDS = {
     "pg_name": "Process Group Name", "in_nelems": "In msg nelems",
     "out_nelems": "Out msg nelems", "dtype": "dtype", "comm_seq": "Seq",
     "src_rank": "Src Rank", "dst_rank": "Dst Rank",
+    "in_splits": "In split size", "out_splits": "Out split size",
 }
 
 

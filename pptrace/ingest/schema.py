@@ -44,6 +44,8 @@ group_ranks        category   "Process Group Ranks" as written, e.g. ``"[0, 1]"`
 pg_name            category   "Process Group Name"
 in_nelems,         Int64      "In msg nelems" / "Out msg nelems"
 out_nelems
+in_splits,         category   "In split size" / "Out split size" as written (``"[3, 5]"``): an
+out_splits                    all_to_all's elements to / from each peer (group-rank order)
 dtype              category   "dtype" of the collective
 comm_seq           Int64      "Seq" of the collective where the trace has it
 src_rank,          Int64      record_param_comms "Src Rank" / "Dst Rank" of NCCL send/recv: the
@@ -74,6 +76,7 @@ from typing import Any, Union
 import msgspec
 import orjson
 
+from .dualpipe_names import parse_dualpipe_name
 from .megatron_names import parse_megatron_name
 from ..naming import parse_name
 from ..vocab import COMM_CATEGORIES, COMM_DIMS
@@ -85,7 +88,8 @@ from ..vocab import COMM_CATEGORIES, COMM_DIMS
 # 6: the compact table: nested plain CPU ops folded (compact.py)
 # 7: exact copies of an event (a trace concatenated twice) dropped and counted (frame.py)
 # 8: B/E duration events paired into complete ones; lone surrogate escapes in names as U+FFFD
-SCHEMA_VERSION = 8
+# 9: an all_to_all's per-peer split sizes (in_splits, out_splits); DualPipe phase names classified
+SCHEMA_VERSION = 9
 
 CATEGORIES = (
     "compute", *COMM_CATEGORIES, "p2p", "wait", "step",
@@ -100,14 +104,14 @@ NULLABLE_INT_COLUMNS = (
 )
 CATEGORY_COLUMNS = (
     "lane", "lane_kind", "name", "cat", "kind", "op", "tags", "category",
-    "collective", "group_ranks", "pg_name", "dtype",
+    "collective", "group_ranks", "pg_name", "dtype", "in_splits", "out_splits",
 )
 BOOL_COLUMNS = ("is_nccl", "gpu_annotation", "inferred")
 COLUMNS = (
     "rank", "lane", "lane_kind", "pid", "tid", "name", "cat", "start_ns", "end_ns", "dur_ns",
     "kind", "op", *TAG_COLUMNS, "tags", "category", "step", "stream", "correlation",
     "external_id", "is_nccl", "gpu_annotation", "collective", "group_ranks", "pg_name",
-    "in_nelems", "out_nelems", "dtype", "comm_seq", "src_rank", "dst_rank", "inferred",
+    "in_nelems", "out_nelems", "in_splits", "out_splits", "dtype", "comm_seq", "src_rank", "dst_rank", "inferred",
 )
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
@@ -133,7 +137,7 @@ def classify(name: str, cat: str | None) -> dict:
     out["is_nccl"] = cat == "kernel" and is_nccl_kernel(name)
     parsed = parse_name(name)
     if parsed is None:
-        parsed = parse_megatron_name(name)
+        parsed = parse_megatron_name(name) or parse_dualpipe_name(name)
     if parsed is not None:
         out["kind"], out["op"] = parsed.kind, parsed.op
         rest = {}
@@ -194,6 +198,8 @@ class RawArgs(msgspec.Struct, gc=False):
     pg_name: Any = msgspec.field(default=None, name="Process Group Name")
     in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
     out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    in_splits: Any = msgspec.field(default=None, name="In split size")
+    out_splits: Any = msgspec.field(default=None, name="Out split size")
     dtype: Any = None
     comm_seq: Any = msgspec.field(default=None, name="Seq")
     src_rank: Any = msgspec.field(default=None, name="Src Rank")

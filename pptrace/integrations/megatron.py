@@ -29,8 +29,14 @@ The rank layout (order found by matching ``parallel_state``'s groups), schedule,
 vpp, stage -> rank map and this rank's action order go to the ``pptrace`` metadata block.
 A Megatron whose hooks are missing or have other parameters gives one warning and ``None``;
 a failure inside a hook stops the tagging with one warning and never reaches the training.
+
+MoE layers with the alltoall token dispatcher: :mod:`pptrace.integrations.megatron_moe`,
+installed with these hooks (``ep:dispatch`` / ``ep:combine`` with their split sizes,
+``compute:expert`` with the tokens per local expert; ``ep`` in the layout).
 Not covered: ``use_ring_exchange_p2p`` and the combined-1F1B (EP overlap) schedule, whose
-passes do not go through these functions.
+passes do not go through these functions (its MoE layers call the hooked MoELayer steps, but
+that is untested); the allgather and flex (DeepEP) token dispatchers and expert tensor
+parallelism (one warning, no MoE ranges).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ import warnings
 from contextlib import nullcontext
 
 from ..ranges import region
+from . import megatron_moe
 from ._requests import Open, Pending, nbytes
 from ..vocab import LAYOUT_DIMS, LAYOUT_ORDERS, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD
 
@@ -133,6 +140,7 @@ class _Tracker:
         self.actions: list = []
         self.last_actions: list = []
         self.pending: set = set()
+        self.current_mb = None  # the microbatch of the running forward_step / backward_step
 
     # -- schedule calls ---------------------------------------------------------------------
     def start(self, schedule: str, microbatches=None, vpp: int = 1, table=None) -> None:
@@ -212,7 +220,7 @@ class MegatronInstrumentation:
     def __init__(self, modules):
         self._modules = modules
         self._tracker = _Tracker()
-        self._failed = False
+        self._guard = megatron_moe.Guard("Megatron-Core integration")
         self._patches = []
         wrappers = {
             "forward_step": self._forward_step, "backward_step": self._backward_step,
@@ -227,8 +235,12 @@ class MegatronInstrumentation:
             wrapper.__pptrace_original__ = original
             self._patches.append((target, fn, original))
             setattr(target, fn, wrapper)
+        self._moe = _moe(lambda: self._tracker.current_mb)
 
     def remove(self) -> None:
+        if self._moe is not None:
+            self._moe.remove()
+            self._moe = None
         for target, fn, original in reversed(self._patches):
             setattr(target, fn, original)
         self._patches = []
@@ -237,15 +249,7 @@ class MegatronInstrumentation:
 
     # -- the hooks: bookkeeping never reaches the training ------------------------------------
     def _safe(self, fn, *args):
-        if self._failed:
-            return None
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001
-            self._failed = True
-            warnings.warn(f"pptrace: the Megatron-Core integration stopped tagging ({type(exc).__name__}: "
-                          f"{exc}); the rest of this run is a plain trace", stacklevel=3)
-            return None
+        return self._guard(fn, *args)
 
     def _around(self, before, after, original, signature, args, kwargs):
         """``original(*args, **kwargs)`` inside the range ``before`` opens; ``after`` notes
@@ -267,6 +271,7 @@ class MegatronInstrumentation:
         mb, chunk = bound.get("current_microbatch"), bound.get("vp_stage")
         if t.schedule == "1f1b" and bound.get("num_microbatches") is not None:
             t.microbatches = bound["num_microbatches"]
+        t.current_mb = mb
         return region("compute:fwd", mb=mb, chunk=t.chunk_tag(chunk)), mb, chunk
 
     def _after_forward(self, opened, output):
@@ -285,6 +290,7 @@ class MegatronInstrumentation:
         t.poll()
         output = signature.bind_partial(*args, **kwargs).arguments.get("output_tensor")
         mb, chunk = t.outputs.pop(id(_first_tensor(output)), (None, None))
+        t.current_mb = mb
         return region("compute:bwd", mb=mb, chunk=t.chunk_tag(chunk)), mb, chunk
 
     def _after_backward(self, opened, grads):
@@ -367,8 +373,9 @@ class MegatronInstrumentation:
     # -- what the run is ------------------------------------------------------------------------
     def metadata(self) -> dict:
         t = self._tracker
-        if t.schedule is None and not (t.actions or t.last_actions):
-            return {}  # imported, but none of its schedules ran here: nothing to claim
+        moe_ran = self._moe is not None and self._moe.seen
+        if t.schedule is None and not (t.actions or t.last_actions or moe_ran):
+            return {}  # imported, but none of its schedules or MoE layers ran here: nothing to claim
         out = {"integration": {"name": NAME, "version": _version()}}
         layout, pp_ranks = _layout()
         if layout is not None:
@@ -383,6 +390,17 @@ class MegatronInstrumentation:
         if actions:
             out["pipeline_actions"] = actions
         return out
+
+
+def _moe(current_mb):
+    """The MoE hooks (megatron_moe), or None with one warning where this Megatron lacks them."""
+    mods = megatron_moe.modules()
+    problem = "no megatron.core.transformer.moe" if mods is None else megatron_moe.unrecognised(mods)
+    if problem:
+        warnings.warn(f"pptrace: megatron-core {_version()}'s MoE layer is not one the integration recognises "
+                      f"({problem}); its expert parallelism is analyzed as untagged work", stacklevel=4)
+        return None
+    return megatron_moe.MoeInstrumentation(mods, current_mb)
 
 
 def _layout():
@@ -409,7 +427,29 @@ def _layout():
         if layout.world_size != dist.get_world_size():
             break
         if all(layout.group_ranks(dim, rank) == ranks[dim] for dim in LAYOUT_DIMS):
-            return layout, ranks["pp"]
+            return _with_ep(layout, ps, rank), ranks["pp"]
     warnings.warn("pptrace: Megatron's parallel groups match no tp/cp/dp/pp rank order; "
                   "the layout is left to the trace", stacklevel=3)
     return None, ranks["pp"]
+
+
+def _with_ep(layout, ps, rank: int):
+    """``layout`` with parallel_state's expert-parallel size, where its ep group is the one
+    pptrace's layout carves out of dp x cp (Megatron's default); else as it is, with a warning."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep <= 1:
+        return layout
+    ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    try:
+        with_ep = dataclasses.replace(layout, ep=ep)
+    except ValueError:
+        with_ep = None
+    if with_ep is None or with_ep.group_ranks("ep", rank) != sorted(ranks):
+        warnings.warn(f"pptrace: Megatron's expert-parallel group {sorted(ranks)} is not carved out of the "
+                      "dp x cp ranks; the layout is written without ep", stacklevel=4)
+        return layout
+    return with_ep

@@ -291,7 +291,7 @@ def dim_of_desc(desc) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _gpu_dim(group_ranks, rank: int, layout, collective=None, pg_name=None, groups=None):
+def kernel_dim(group_ranks, rank: int, layout, collective=None, pg_name=None, groups=None):
     """(dim, known) of one NCCL collective kernel: the pg_desc of its process group when it
     names a dim, else the layout dim whose group has exactly its ranks; unknown groups count
     as dp (grad sync, norms over the world), all_to_all on an unknown group as ep."""
@@ -325,7 +325,7 @@ def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: 
     """(group, dim, start, end) of the communication kernels (rows ``nccl``: NCCL's, and those
     known by name), and the count per group of those whose dim was guessed. A kernel's dim is
     that of the last contract range (in rows) projected around it on its stream, or on no
-    stream; else a named kernel's own (its ``kind``); else _gpu_dim, once per distinct rank,
+    stream; else a named kernel's own (its ``kind``); else kernel_dim, once per distinct rank,
     group ranks, collective and process group."""
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
     ann = np.flatnonzero(ev["gpu_annotation"].to_numpy(bool))
@@ -348,7 +348,7 @@ def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: 
     cols = [ev[c].iloc[rest].astype(object).to_numpy() for c in ("group_ranks", "collective", "pg_name")]
     combo = _codes(group[rest], *cols)
     firsts = np.unique(combo, return_index=True)[1]  # combo counts 0, 1, ...
-    found = [_gpu_dim(gr, ranks[g], layout, coll, name, pg[g])
+    found = [kernel_dim(gr, ranks[g], layout, coll, name, pg[g])
              for g, gr, coll, name in zip(group[rest][firsts], *(c[firsts] for c in cols))]
     dims, known = np.empty(len(found), object), np.array([k for _, k in found], bool)
     dims[:] = [d for d, _ in found]

@@ -47,7 +47,7 @@ def check_balanceable(run) -> None:
     anything else is measured, so that a run without experts hears that, not another reason."""
     ev = run.events
     rows = ev[(ev["category"] == "compute").to_numpy() & (ev["op"] == "expert").to_numpy()]
-    _check(run, rows, expert_tags(rows["tags"])[0] if len(rows) else np.zeros(0))
+    _check(run, rows, expert_tags(rows["tags"]).tokens if len(rows) else np.zeros(0))
     if ((ev["category"] == "wait").to_numpy() & (ev["kind"] == "ep").to_numpy()).any():
         # posted, then waited after other work: the wait for the last arrival may hide under
         # that work, so moving the arrival need not move the pass by as much
@@ -81,7 +81,7 @@ def balanced_shifts(run, main: pd.DataFrame, passes: pd.DataFrame, notes: list) 
     is_expert = (main["category"] == "compute").to_numpy() & (main["op"] == "expert").to_numpy()
     # the tags and layer of the run's own rows (the measured selection keeps only timing columns)
     experts = run.events.loc[main.index[is_expert], ["rank", "step", "layer", "tags", "start_ns", "end_ns"]]
-    tokens, backward = expert_tags(experts["tags"]) if len(experts) else (np.zeros(0), np.zeros(0, bool))
+    tokens, backward, _ = expert_tags(experts["tags"]) if len(experts) else (np.zeros(0), np.zeros(0, bool), None)
     _check(run, experts, tokens)
     keep = ~np.isnan(tokens)
     if not keep.all():

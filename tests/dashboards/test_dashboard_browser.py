@@ -245,3 +245,27 @@ def test_png_export_through_kaleido(browser, tmp_path):
     data = paths[0].read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert int.from_bytes(data[16:20], "big") == 1400  # the width asked for
+
+
+@pytest.mark.slow
+def test_ep_panel_renders_and_the_hot_ranks_experts_are_the_hot_rows(browser, ep_run, tmp_path):
+    """An MoE run (dp 4 / ep 4, ep rank 2's experts at 2x the mean tokens) gets the ep panel
+    (and a dense run does not: the trainer page's figure list above); its tokens heatmap's
+    largest rows are rank 2's experts and the pairs' wait column of rank 2 is the hot one."""
+    page = Page(browser).open(_page_for(ep_run("ep-dp4-hot"), tmp_path / "ep.html"))
+    assert "fig-ep_load" in page.figure_ids and "fig-ep_pairs" in page.figure_ids
+    assert page.errors == [] and page.blocked == [] and page.dialogs == []
+    load = page.page.evaluate(
+        """() => { const t = document.getElementById('fig-ep_load')._fullData[0];
+          return [Array.from(t.y), Array.from(t.z, row => Array.from(row).reduce((a, b) => a + b, 0))]; }""")
+    labels, totals = load
+    hottest = {labels[i] for i, v in enumerate(totals) if v == max(totals)}
+    assert len(hottest) == 2 and all("rank 2" in label or "dp2" in label for label in hottest), labels
+    wait = page.page.evaluate("() => Array.from(document.getElementById('fig-ep_pairs')._fullData[1].z, "
+                              "row => Array.from(row, v => Number.isNaN(v) ? null : v))")
+    col = [row[2] for i, row in enumerate(wait) if i != 2]
+    others = [v for i, row in enumerate(wait) for j, v in enumerate(row) if i != j and j != 2 and v is not None]
+    assert min(col) > 10 * max(others), wait
+    svgs = page.page.evaluate("() => ['ep_load', 'ep_pairs'].map(k => "
+                              "document.querySelectorAll('#fig-' + k + ' .main-svg').length)")
+    assert all(c >= 2 for c in svgs), svgs

@@ -91,6 +91,9 @@ def test_without_the_table_the_same_kernels_would_be_compute():
         assert classify(name, "kernel")["category"] == "kernel_compute"
         assert comm_kernels._first_match(pd.Index([name]), comm_kernels.KNOWN)[0] >= 0
     assert comm_kernels._first_match(pd.Index([LAYOUT_KERNEL, GEMM]), comm_kernels.KNOWN).tolist() == [-1, -1]
+    # the layout kernel under DeepSeek's namespace counts tokens locally: compute
+    dpsk_layout = "void dpsk::ep::cuda::get_dispatch_layout<256, 32, 8>(long const*, int*, int*, int*, bool*, int)"
+    assert comm_kernels._first_match(pd.Index([dpsk_layout]), comm_kernels.KNOWN).tolist() == [-1]
 
 
 @pytest.mark.parametrize("name, library, dim", [
@@ -99,6 +102,14 @@ def test_without_the_table_the_same_kernels_would_be_compute():
     ("void deep_ep::internode::cached_notify(int, int, int, int, int, int, int*, int*, int*, int*)", "DeepEP", "ep"),
     ("void deep_ep::internode_ll::clean_low_latency_buffer<32>(int*, int, int*, int)", "DeepEP", "ep"),
     ("void nvshmemi_barrier_all_kernel()", "NVSHMEM", "ep"),
+    # as DeepSeek's published DualPipe training trace (profile-data train.json) names them
+    ("void dpsk::ep::internode::dispatch<false, 8, true, 8>(int4*, float*, long*, float*, "
+     "dpsk::ep::internode::SourceMeta*, int4 const*)", "DeepEP (dpsk::ep)", "ep"),
+    ("void dpsk::ep::internode::combine<false, 8, __nv_bfloat16, 8, 2, 16, 24>(int4*, float*, bool const*)",
+     "DeepEP (dpsk::ep)", "ep"),
+    ("void dpsk::ep::internode::notify_dispatch<false, 8>(int const*, long*, int, int const*)",
+     "DeepEP (dpsk::ep)", "ep"),
+    ("void dpsk::ep::internode::cached_notify<false>(int, int, int, int, int*, int, int)", "DeepEP (dpsk::ep)", "ep"),
     ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 8>(vllm::RankData*, vllm::RankSignals, int)",
      "vLLM/SGLang custom all-reduce", "tp"),
     ("void tensorrt_llm::kernels::oneShotAllReduceKernel<__nv_bfloat16, 8>(tensorrt_llm::kernels::AllReduceParams)",

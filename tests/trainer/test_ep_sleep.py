@@ -110,6 +110,35 @@ def test_expert_load_names_the_hot_rank_and_what_it_cost(runs):
     assert balanced["share_of_mean"].tolist() == pytest.approx([1.0] * 4)
 
 
+def test_the_pair_matrix_is_the_routed_splits_and_the_waits_fall_on_the_hot_rank(runs):
+    """Per step, src sends dst its routed share in each forward and backward dispatch and
+    dst's share of what it got back in each combine: 2 x calls x (sent[src->dst] +
+    sent[dst->src]) rows; each waiter's ep wait is almost all on the hot rank, and a rank's
+    pair waits sum to its ep wait. Tokens per expert: the rank's tokens over its 2 experts."""
+    from pptrace.analyzers.ep_pairs import pair_means
+
+    out, analysis = runs["hot"]
+    truth = _truth(out)
+    calls = M * sum(len(x) for x in truth[0]["experts"]["layers"])
+    pairs = pair_means(analysis.ep_pairs, len(STEPS)).set_index(["src", "dst"])
+    sent = {r: t["experts"]["sent"] for r, t in truth.items()}  # ep rank = rank at dp 4 / ep 4
+    for src in truth:
+        for dst in truth:
+            if src != dst:
+                assert pairs.loc[(src, dst), "tokens"] == 2 * calls * (sent[src][dst] + sent[dst][src]), (src, dst)
+    waits = analysis.rank_collectives.query("dim == 'ep'").set_index("rank")["wait_s"]
+    for src in truth:
+        mine = pairs.xs(src, level="src")["wait_s"]
+        assert mine.sum() == pytest.approx(waits[src], rel=1e-6, abs=1e-9)
+        if src != HOT:
+            assert mine[HOT] >= 0.95 * waits[src], (src, mine.to_dict())
+    per_expert = analysis.expert_tokens.groupby(["rank", "expert"])["tokens"].mean()
+    for rank, t in truth.items():
+        for local in range(2):
+            assert per_expert[(rank, 2 * rank + local)] == t["experts"]["tokens"] * calls // 2
+    assert analysis.to_json()["ep"]["unmeasured_ranks"] == []
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_ep_inside_a_pipeline(tmp_path, schedule, ep_run):
     """dp 2 / ep 2 / pp 2: each stage's two ranks form an ep group, ep rank 1's experts get
