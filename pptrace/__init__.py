@@ -8,11 +8,11 @@ from .naming import RangeName, format_name, parse_name
 from .topology import Layout
 
 __version__ = "0.1.0"
-__all__ = ["Analysis", "Layout", "RangeName", "analyze", "format_name", "load_run", "parse_name", "profile", "region",
-           "__version__"]
+__all__ = ["Analysis", "Layout", "RangeName", "analyze", "diff", "format_name", "load_run", "parse_name", "profile",
+           "region", "__version__"]
 
 _LAZY = {"profile": "instrument", "region": "ranges", "load_run": "run", "analyze": "analysis",
-         "Analysis": "analysis"}
+         "Analysis": "analysis", "diff": "diff"}
 
 
 def __getattr__(name):

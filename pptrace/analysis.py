@@ -21,31 +21,32 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .analyzers.bubble import bubble_split, microbatch_times, pipeline_stages
+from .analyzers.bubble import bubble_split, microbatch_times, missing_stages, pipeline_stages
 from .analyzers.collectives import collectives_by_dim, waits_by_rank
+from .analyzers.compute_by_pass import PASS_KINDS, compute_by_pass
 from .analyzers.critical_path import step_bounds
-from .analyzers.experts import expert_load
-from .analyzers.gpu_timeline import gpu_timeline, is_launch_bound
+from .analyzers.ep_pairs import EpPairs, ep_pairs, pair_means
+from .analyzers.experts import expert_load, expert_tokens
+from .analyzers.gpu_timeline import gpu_timeline
 from .analyzers.p2p import MatchedPairs, link_table, match_pairs
-from .analyzers.partition import breakdown_table, partition_run, untagged_p2p_rows
+from .analyzers.partition import UNSPLIT, breakdown_table, partition_run
 from .analyzers.stragglers import find_stragglers
-from .timeline.projection import KERNEL_CATEGORIES, drawn_ranges
+from .caveats import ep_warnings, gpu_warnings, has_contract_ranges, input_warnings, peer_loaded
+from .timeline.projection import drawn_ranges
 from .run.model import Run
 from .run.build import load_run
 from .progress import ANALYSE, phased
-from .vocab import COMM_DIMS, PARTS, RANGE_KINDS
+from .vocab import COMM_DIMS, PARTS
 
 SCHEMA = "pptrace.analysis/1"
-#: an alignment bound above this share of the mean step time makes cross-rank numbers shaky.
-CLOCK_WARN_FRACTION = 0.01
 
 
-def _clean(value):
+def strict_json(value):
     """numpy scalars -> Python, NaN/inf -> None, recursively: strict JSON."""
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, np.ndarray)):
-        return [_clean(v) for v in value]
+        return [strict_json(v) for v in value]
     if isinstance(value, (np.integer,)):
         return int(value)
     if isinstance(value, (float, np.floating)):
@@ -63,12 +64,12 @@ def _whole(x):
 
 def _whole_counts(report: dict) -> dict:
     """Counts and byte counts of the document as ints where whole (p2p pairs, links,
-    collectives); means that are not whole stay floats."""
+    collectives, ep pairs); means that are not whole stay floats."""
     p2p = report["p2p"]
     p2p["pairs"] = _whole(p2p["pairs"])
-    for row in [*p2p["links"], *report["collectives"]]:
+    for row in [*p2p["links"], *report["collectives"], *report.get("ep", {}).get("pairs", [])]:
         for key in row:
-            if key in ("count", "bytes") or key.endswith("_count"):
+            if key in ("count", "bytes", "tokens") or key.endswith("_count"):
                 row[key] = _whole(row[key])
         if isinstance(row.get("ops"), dict):
             row["ops"] = {op: _whole(n) for op, n in row["ops"].items()}
@@ -87,87 +88,6 @@ def _select(run: Run, steps, ranks) -> tuple[Run, list[str]]:
     return replace(run, steps=tuple(keep)), warnings
 
 
-def _gpu_warnings(run: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> list[str]:
-    """What a GPU trace could not tell, and the launch-bound hint."""
-    warnings = []
-    if not contract and len(gpu):
-        warnings.append(
-            "traces without pptrace ranges: pipeline bubble cannot be separated from p2p wait; NCCL send/recv "
-            "kernels count as pp_transfer (wait included) and GPU idle time as other; showing "
-            "idle instead (instrument the trainer with pptrace.region for the full breakdown)"
-        )
-    guessed = {r: a.unknown_groups for r, a in acts.items() if a.unknown_groups}
-    if guessed:
-        warnings.append(
-            f"{sum(guessed.values())} NCCL collective kernels (ranks {sorted(guessed)[:8]}) belong to "
-            "process groups that neither a pg_desc nor the layout names: counted as dp (all_to_all "
-            "as ep); give the layout (tp/cp/pp/dp) or name groups with new_group(group_desc=...)"
-        )
-    if len(gpu):
-        mean = gpu.groupby("rank")[["time_s", "idle_s", "launch_bound_s", "host_launching_s"]].mean()
-        flagged = mean[is_launch_bound(mean["idle_s"], mean["time_s"], mean["launch_bound_s"])]
-        warnings += [
-            f"rank {rank} looks launch-bound: the GPU is idle {idle / time:.0%} of "
-            f"the step, {bound / idle:.0%} of it waiting for the host to "
-            f"launch work (host in CUDA calls {launching * 1e3:.2f} ms of it); "
-            "fewer, larger kernels (fusion, CUDA graphs) or less host work per step would help"
-            for rank, time, idle, bound, launching in zip(
-                flagged.index, flagged["time_s"], flagged["idle_s"], flagged["launch_bound_s"],
-                flagged["host_launching_s"])
-        ]
-    return warnings
-
-
-def _has_contract_ranges(events: pd.DataFrame) -> bool:
-    """Whether any host range has a contract-1 kind (vocab.RANGE_KINDS)."""
-    return bool((events["kind"].isin(list(RANGE_KINDS)) & (events["lane_kind"] == "host")).any())
-
-
-def _input_warnings(run: Run, partitions, pairs_unmatched) -> list[str]:
-    ev = run.events
-    warnings = []
-    gpu_run = ev["category"].isin(list(KERNEL_CATEGORIES)).any()
-    if not _has_contract_ranges(ev) and not gpu_run:
-        warnings.append(
-            "traces without pptrace ranges: dims from process-group metadata; bubble cannot be "
-            "separated from p2p: NCCL send/recv kernels count as pp_transfer, and time outside "
-            "kernels as other (instrument the trainer with pptrace.region for the full breakdown)"
-        )
-    missing = list(getattr(run, "missing_ranks", ()))  # of the ranks requested (load_run's ranks)
-    if missing and not any("no usable trace" in w for w in run.warnings):
-        warnings.append(f"ranks {missing[:8]} of {run.layout.world_size} have no trace; results cover the others only")
-    stepped = {p.rank for p in partitions}
-    unstepped = sorted(set(run.ranks) - stepped)
-    if unstepped:
-        warnings.append(
-            f"ranks {unstepped[:8]} have no profiled ProfilerStep#N range on their main thread; "
-            "their time is not partitioned (call prof.step() every step)"
-        )
-    untagged = int(untagged_p2p_rows(ev).sum())
-    if untagged:
-        warnings.append(
-            f"{untagged} pipeline p2p ranges carry no peer/mb tags (Megatron's own range names): "
-            "they cannot be paired, so their wait and transfer are not split; counted as pp_transfer"
-        )
-    if len(pairs_unmatched):
-        warnings.append(
-            f"{len(pairs_unmatched)} pipeline p2p ranges have no matching peer range; their time "
-            "counts as pp_transfer (wait and transfer cannot be told apart without the peer)"
-        )
-    already = any("clock alignment" in w for w in run.warnings)
-    if partitions and run.uncertainty_ns and not already:
-        step = float(np.mean([p.wall_ns for p in partitions]))
-        bad = {r: b for r, b in run.uncertainty_ns.items() if b and b > CLOCK_WARN_FRACTION * step}
-        if bad:
-            worst = max(bad, key=bad.get)
-            warnings.append(
-                f"clock alignment of ranks {sorted(bad)[:8]} is uncertain by up to "
-                f"{bad[worst] / 1e6:.2f} ms (rank {worst}), over {CLOCK_WARN_FRACTION:.0%} of the "
-                "step: cross-rank bubble/wait splits are approximate"
-            )
-    return warnings
-
-
 _GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_pct", "comm_exposed_s",
                "memcpy_s", "memcpy_exposed_s", "idle_s", "launch_bound_s", "host_launching_s")
 
@@ -179,6 +99,8 @@ def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits
     if len(waits):
         for (r, d), v in waits.set_index(["rank", "dim"])[["wait_s", "transfer_s"]].astype(float).to_dict("index").items():
             by_rank.setdefault(int(r), {})[str(d)] = v
+    # pp_bubble_or_transfer only in a run where some peer is not loaded: the document of a whole run is unchanged
+    parts_of = [*PARTS, UNSPLIT] if UNSPLIT in table and table[UNSPLIT].any() else list(PARTS)
     for rank in run.ranks:
         if ranks is not None and rank not in ranks:
             continue
@@ -186,7 +108,7 @@ def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits
         mine = table[table["rank"] == rank]
         hidden = mine[[f"hidden_{d}" for d in COMM_DIMS]].set_axis(list(COMM_DIMS), axis=1)
         steps = [{"step": int(step), "time_s": time, "breakdown_s": parts, "hidden_s": dims}
-                 for step, time, parts, dims in zip(mine["step"], mine["time_s"], mine[list(PARTS)].to_dict("records"),
+                 for step, time, parts, dims in zip(mine["step"], mine["time_s"], mine[parts_of].to_dict("records"),
                                                    hidden.to_dict("records"))]
         # GPU timeline (analyzers/gpu_timeline.py): beside the partition, memcpy and idle apart, launch-bound
         on_gpu = gpu[gpu["rank"] == rank].set_index("step") if len(gpu) else gpu
@@ -197,7 +119,7 @@ def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits
         mean = None
         if len(mine):
             mean = {"time_s": mine["time_s"].mean(),
-                    "breakdown_s": {part: mine[part].mean() for part in PARTS},
+                    "breakdown_s": {part: mine[part].mean() for part in parts_of},
                     "hidden_s": {d: mine[f"hidden_{d}"].mean() for d in COMM_DIMS}}
             if len(on_gpu):
                 mean["gpu"] = {k: on_gpu[k].astype(float).mean() for k in _GPU_FIELDS}
@@ -244,6 +166,9 @@ class Analysis:
       ``ranks[].mean.collectives``).
     - ``experts``: per rank with MoE experts: ``tokens`` per step, ``share_of_mean`` in its
       ep group, ``hottest`` and ``wait_cost_s`` (what the group waited for its hottest rank).
+    - ``expert_tokens``: per (rank, step, expert): the tokens the expert processed.
+    - ``ep_pairs``: per (step, src, dst) of an ep group: ``tokens`` and ``bytes`` src sent
+      dst, ``wait_s`` src waited for dst (a rank's sum is its ep wait).
     - ``stragglers``: the ranks that hold the others back (``rank``, ``metric``, ``slowdown``,
       ``cost_s``, evidence).
     - ``critical_path``: per step, what bounded it (``length_s``, ``compute_s``, ``p2p_s``,
@@ -343,12 +268,38 @@ class Analysis:
         return load if self._ranks is None else load[load["rank"].isin(self._ranks)].reset_index(drop=True)
 
     @cached_property
+    def expert_tokens(self) -> pd.DataFrame:
+        """Per (rank, step, expert): the tokens the expert processed (analyzers/experts.py)."""
+        table = expert_tokens(self._selected_run)
+        return table if self._ranks is None else table[table["rank"].isin(self._ranks)].reset_index(drop=True)
+
+    @cached_property
+    def _ep_pairs(self) -> EpPairs:
+        return ep_pairs(self._selected_run, self._instances)
+
+    @cached_property
+    def ep_pairs(self) -> pd.DataFrame:
+        """Per (step, src, dst) of an ep group: the token rows and bytes src sent dst in its
+        all-to-alls, and the time src waited for dst (analyzers/ep_pairs.py); sizes NaN for
+        ranks whose split sizes do not add up."""
+        table = self._ep_pairs.table
+        return table if self._ranks is None else table[table["src"].isin(self._ranks)].reset_index(drop=True)
+
+    @cached_property
+    def compute_passes(self) -> pd.DataFrame:
+        """Per (rank, step): the partition's compute inside each pass type (``fwd``, ``bwd``,
+        ``bwd_input``, ``bwd_weight``) and ``other``, summing to ``steps.compute``
+        (analyzers/compute_by_pass.py; the JSON's ``ranks[].steps[].compute_s``)."""
+        return compute_by_pass(self._selected_run, self.partitions)
+
+    @cached_property
     def stragglers(self) -> pd.DataFrame:
         return find_stragglers(self.partitions, self._selected_pairs, self._instances)
 
     @cached_property
     def _bounds(self) -> list[dict]:
-        return step_bounds(self._selected_run)
+        # a path through stages not loaded cannot be walked: none rather than one that skips them
+        return [] if missing_stages(self._selected_run) else step_bounds(self._selected_run)
 
     @cached_property
     def critical_path(self) -> pd.DataFrame:
@@ -420,6 +371,41 @@ def analyze(run_or_path, *, steps=None, ranks=None, **load_options) -> Analysis:
     return Analysis(run, steps=steps, ranks=ranks)
 
 
+def _ep_section(a: Analysis) -> dict:
+    return {"pairs": pair_means(a.ep_pairs, a._n_steps).to_dict("records"),
+            "expert_tokens": a.expert_tokens.to_dict("records"),
+            "unmeasured_ranks": list(a._ep_pairs.inconsistent)}
+
+
+def _with_pass_compute(entries: list[dict], table: pd.DataFrame) -> list[dict]:
+    """``compute_s`` beside each step's breakdown (and the rank's mean): its compute by pass
+    type, summing to ``breakdown_s.compute``."""
+    by_key = table.set_index(["rank", "step"])[[*PASS_KINDS, "other"]].to_dict("index") if len(table) else {}
+    for entry in entries:
+        split = [by_key[(entry["rank"], s["step"])] for s in entry["steps"] if (entry["rank"], s["step"]) in by_key]
+        for s in entry["steps"]:
+            if (entry["rank"], s["step"]) in by_key:
+                s["compute_s"] = by_key[(entry["rank"], s["step"])]
+        if entry["mean"] is not None and split and len(split) == len(entry["steps"]):
+            entry["mean"]["compute_s"] = {k: float(np.mean([row[k] for row in split])) for k in split[0]}
+    return entries
+
+
+def _environment(run: Run) -> dict:
+    """Where and with what the run ran, from the traces' metadata: ``hosts`` (host -> its
+    ranks) and ``versions`` (library -> version; a list where ranks differ): the pptrace
+    block's ``versions`` (torch, pptrace, python) and the trace's NCCL version and backend."""
+    hosts, versions = {}, {}
+    for rank, meta in sorted(run.meta.items()):
+        hosts.setdefault(str(meta.get("hostname") or "unknown"), []).append(int(rank))
+        found = dict((meta.get("pptrace") or {}).get("versions") or {})
+        dist = meta.get("distributed") or {}
+        found.update({k: dist[k] for k in ("backend", "nccl_version") if dist.get(k) is not None})
+        for name, value in found.items():
+            versions.setdefault(str(name), set()).add(str(value))
+    return {"hosts": hosts, "versions": {k: v.pop() if len(v) == 1 else sorted(v) for k, v in versions.items()}}
+
+
 @phased(ANALYSE)
 def _build_document(a: Analysis) -> dict:
     run, ranks = a._selected_run, a._ranks
@@ -433,8 +419,10 @@ def _build_document(a: Analysis) -> dict:
             "vpp": run.vpp, "steps": list(run.steps), "ranks": list(run.ranks),
             "inferred": dict(run.inferred),
             "comm_kernels": {lib: dict(v) for lib, v in run.comm_kernels.items()},
+            "environment": _environment(run),
         },
-        "ranks": _rank_entries(run, a._all_steps, ranks, a.gpu, a.rank_collectives),
+        "ranks": _with_pass_compute(_rank_entries(run, a._all_steps, ranks, a.gpu, a.rank_collectives),
+                                    a.compute_passes),
         "pipeline": {
             **pipe,
             "stages": stages.to_dict("records") if len(stages) else [],
@@ -453,7 +441,10 @@ def _build_document(a: Analysis) -> dict:
         "stragglers": a.stragglers.to_dict("records"),
         # MoE runs only: tokens per ep rank per step and the imbalance's cost
         **({"experts": a.experts.to_dict("records")} if len(a.experts) else {}),
-        "warnings": [*run.warnings, *a._selection_warnings, *_input_warnings(run, a.partitions, a._matched.unmatched),
-                     *_gpu_warnings(run, run.activities, a.gpu, _has_contract_ranges(run.events))],
+        # ep runs only: the rank-pair matrix (per step means) and tokens per expert per step
+        **({"ep": _ep_section(a)} if len(a.ep_pairs) or len(a.expert_tokens) else {}),
+        "warnings": [*run.warnings, *a._selection_warnings, *input_warnings(run, a.partitions, peer_loaded(a._matched.unmatched, run.requested)),
+                     *ep_warnings(a._ep_pairs),
+                     *gpu_warnings(run, run.activities, a.gpu, has_contract_ranges(run.events))],
     }
-    return _whole_counts(_clean(report))
+    return _whole_counts(strict_json(report))

@@ -265,25 +265,12 @@ def info(run_dir: Path):
     from rich.table import Table
 
     from .export.tables import printable
-    from .ingest.document import rank_of, read_header
-    from .ingest.files import find_trace_files, group_by_reason
-    from .run.build import assign_ranks, layout_of
+    from .run.build import run_headers
 
-    files = find_trace_files(run_dir)
-    problems, found = [], []
-    for path in files:
-        try:
-            header = read_header(path)
-        except TraceError as exc:
-            problems.append(str(exc))
-            continue
-        found.append((path, header, rank_of(header, path)))
-    if not found:
-        raise TraceError(f"{run_dir}: none of its {len(files)} trace files could be read: {problems[0]}")
-    # analyze's own checks (duplicate ranks, traces of runs with other layouts or world
-    # sizes), so that info never describes a directory analyze refuses
-    by_rank = assign_ranks(found, problems)
-    layout_of(by_rank, None, problems)
+    problems: list[str] = []
+    # analyze's checks, so that info never describes a run it refuses; every header read whole
+    # (within the limits the load meets: a bomb is skipped here too), not from the cache
+    by_rank = run_headers(run_dir, problems, cached=False, enough=()).by_rank
     table = Table(title=escape(printable(run_dir)), title_justify="left")
     for col in ("rank", "coords", "steps", "schedule", "size", "file"):
         table.add_column(col, justify="right" if col in ("rank", "size") else "left")
@@ -307,7 +294,7 @@ def info(run_dir: Path):
     console.print(f"ranks: {len(by_rank)} ({', '.join(map(str, sorted(by_rank)))})")
     for layout in sorted(layouts):
         console.print(f"layout: {layout}")
-    for problem in group_by_reason(problems):
+    for problem in problems:
         console.print(f"[yellow]warning:[/] {escape(printable(problem))}", soft_wrap=True)  # one line, as analyze's
 
 
@@ -321,12 +308,12 @@ def _run_options(fn):
 def _load_options(fn):
     """How the run is loaded, handed to the command as ``loading`` (the keyword arguments of
     _load that say it): --workers/--scheduler, where the ranks' traces are parsed
-    (pptrace.ingest.cluster), and --comm-kernel, kernels that communicate beyond those
-    pptrace knows (pptrace.ingest.comm_kernels)."""
+    (pptrace.ingest.cluster), --comm-kernel, kernels that communicate beyond those
+    pptrace knows (pptrace.ingest.comm_kernels), and --assume-same-run (run.build.load_run)."""
 
     @functools.wraps(fn)
-    def wrapper(*args, workers=None, scheduler=None, comm_kernel=(), **kwargs):
-        loading = {}
+    def wrapper(*args, workers=None, scheduler=None, comm_kernel=(), assume_same_run=False, **kwargs):
+        loading = {"assume_same_run": True} if assume_same_run else {}
         if comm_kernel:
             from .ingest.comm_kernels import parse_rule
 
@@ -346,6 +333,9 @@ def _load_options(fn):
             loading.update(scheduler=scheduler or LOCAL, workers=workers)
         return fn(*args, loading=loading, **kwargs)
 
+    wrapper = click.option("--assume-same-run", is_flag=True,
+                           help="Traces whose clocks lie hours apart are one run whose clocks disagree (not "
+                                "two runs mixed): align those ranks on their collectives and p2p.")(wrapper)
     wrapper = click.option("--comm-kernel", "comm_kernel", multiple=True, metavar="REGEX=DIM",
                            help="GPU kernels whose name REGEX finds communicate for DIM (tp, cp, dp or ep), "
                                 "beyond the NCCL, DeepEP, NVSHMEM and custom all-reduce kernels pptrace knows; "
@@ -503,6 +493,46 @@ def whatif(run_dir: Path, schedule, vpp, microbatches, no_straggler, p2p_free, b
         print_whatif(result, _console())
         if trace_out:
             click.echo(f"simulated trace: {trace_out}")
+
+
+#: `pptrace diff`'s exit code when a --gate fails (1 is bad input, 2 a usage error)
+GATE_FAILED = 3
+
+
+@cli.command()
+@click.argument("base", type=click.Path(path_type=Path))
+@click.argument("new", type=click.Path(path_type=Path))
+@click.option("--json", "json_out", is_flag=True, help="Print the diff as JSON (schema pptrace.diff/1) instead of tables.")
+@click.option("--html", "html_out", type=click.Path(path_type=Path), help="Also write the diff's page here.")
+@click.option("--gate", "gates", multiple=True, metavar="SPEC",
+              help="Fail (exit 3) when NEW is worse beyond this threshold and beyond noise: 'step>+3%', "
+                   "'pp_bubble>+5ms', 'stage2.dp_exposed>+10%'; repeat for more.")
+@_load_options
+@_one_line_errors
+def diff(base: Path, new: Path, json_out, html_out, gates, loading):
+    """What changed between two runs and why: BASE's step time taken to NEW's, part by part
+    and stage by stage, against each run's own noise, with the set-up changes and the
+    schedule's theory. BASE and NEW are run directories or the analysis.json that
+    `pptrace analyze RUN --json` writes. The verdict is the last line; with --gate, exit code
+    3 when it fails."""
+    from .diff import diff as diff_runs, parse_gate
+
+    parsed = [parse_gate(g) for g in gates]  # a bad spec is said before anything loads
+    html_out = _output(base, _output(new, html_out, "--html"), "--html")
+    document = diff_runs(base, new, gates=parsed, **loading)
+    if json_out:
+        _write_json(document)
+    else:
+        from .export.diff_tables import print_diff
+
+        print_diff(document, _console())
+    if html_out:
+        from .export.dashboard import write_diff_page
+
+        write_diff_page(document, html_out)
+        _console(stderr=True).print(f"diff page: {html_out}")
+    if document["verdict"]["status"] == "fail":
+        raise click.exceptions.Exit(GATE_FAILED)
 
 
 DEMO_TRAINER_ARGS = ["--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1", "--sp", "--schedule", "1f1b",

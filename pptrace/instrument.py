@@ -71,6 +71,15 @@ def _distributed_rank() -> tuple[int, int]:
     return 0, 1
 
 
+def library_versions() -> dict:
+    """What the run ran with, for ``pptrace diff`` to tell a library upgrade from a regression."""
+    import platform
+
+    from . import __version__
+
+    return {"pptrace": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
 def clock_sample(tries: int = 5) -> dict:
     """A wall-clock / perf-clock pair, for alignment across hosts and to detect clock steps.
 
@@ -203,6 +212,7 @@ class profile:
             "steps": list(range(self.first_step, self.last_step + 1)),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
+            "versions": library_versions(),
             **(extra or {}),
         }
         self._record_shapes, self._with_stack = record_shapes, with_stack

@@ -44,14 +44,14 @@ MIN_COST_FRACTION = 0.01
 #: three standard deviations about once in 700 draws)
 NOISE_SPREADS = 3.0
 #: the MAD of normal noise times this is its standard deviation
-_MAD_TO_SIGMA = 1.4826
+MAD_TO_SIGMA = 1.4826
 
 
 def _robust_sigma(x: np.ndarray) -> float:
     """Standard deviation from the median absolute deviation: one outlier (the straggler
     itself) does not widen it."""
     x = x[np.isfinite(x)]
-    return float(_MAD_TO_SIGMA * np.median(np.abs(x - np.median(x)))) if x.size else 0.0
+    return float(MAD_TO_SIGMA * np.median(np.abs(x - np.median(x)))) if x.size else 0.0
 
 
 def _spreads(excess: pd.DataFrame) -> tuple[float | None, float | None]:

@@ -18,3 +18,11 @@ def write_page(analysis, path, png_dir=None) -> Path:
     result, note = analysis.replay
     return write_dashboard(analysis.run, analysis.to_json(), path, partitions=analysis.partitions,
                            ranges=analysis.drawn_ranges, whatif_result=result, whatif_note=note, png_dir=png_dir)
+
+
+@phased(f"{WRITE} the diff page")
+def write_diff_page(document: dict, path) -> Path:
+    """Write the page of a diff document (``pptrace.diff(base, new)``) to ``path``; returns it."""
+    from dashboards.diff_page import write_diff_page as write
+
+    return write(document, path)

@@ -92,9 +92,9 @@ def union(starts, ends) -> Intervals:
     return Intervals(out_starts, out_ends)
 
 
-def union_by_group(n_groups: int, group, starts, ends) -> list[Intervals]:
-    """``union`` of the intervals of each group 0 .. n_groups-1 (a list, one per group),
-    all groups in one sort."""
+def merged_by_group(group, starts, ends) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``union`` of each group's intervals, all groups in one sort, flat: (group, starts,
+    ends) of the merged intervals, sorted by group, then time."""
     group, starts, ends = (np.asarray(a, np.int64) for a in (group, starts, ends))
     keep = ends > starts
     group, starts, ends = group[keep], starts[keep], ends[keep]
@@ -104,8 +104,15 @@ def union_by_group(n_groups: int, group, starts, ends) -> list[Intervals]:
     new_run = np.ones(len(starts), bool)
     new_run[1:] = (group[1:] != group[:-1]) | (starts[1:] > reach[:-1])
     last = np.flatnonzero(np.append(new_run[1:], True)[:len(starts)])  # each run's last interval
-    cuts = np.cumsum(np.bincount(group[new_run], minlength=n_groups))[:-1]
-    return [Intervals(s, e) for s, e in zip(np.split(starts[new_run], cuts), np.split(reach[last], cuts))]
+    return group[new_run], starts[new_run], reach[last]
+
+
+def union_by_group(n_groups: int, group, starts, ends) -> list[Intervals]:
+    """``union`` of the intervals of each group 0 .. n_groups-1 (a list, one per group),
+    all groups in one sort."""
+    group, starts, ends = merged_by_group(group, starts, ends)
+    cuts = np.cumsum(np.bincount(group, minlength=n_groups))[:-1]
+    return [Intervals(s, e) for s, e in zip(np.split(starts, cuts), np.split(ends, cuts))]
 
 
 def private_axes(keys, starts, ends) -> np.ndarray:

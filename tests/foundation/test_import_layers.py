@@ -30,7 +30,7 @@ LAYERS = (
     # rank tables -> one frozen Run
     ("run", ("pptrace/run/",)),
     ("analyzers", ("pptrace/analyzers/",)),
-    ("analysis", ("pptrace/analysis.py", "pptrace/whatif/")),
+    ("analysis", ("pptrace/caveats.py", "pptrace/analysis.py", "pptrace/whatif/", "pptrace/diff/")),
     ("export", ("pptrace/export/",)),
     ("cli", ("pptrace/cli.py", "pptrace/__main__.py")),
 )
