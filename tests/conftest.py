@@ -1,4 +1,5 @@
-"""Fixtures for the ingestion tests (load, align, match, merge, bad input)."""
+"""Fixtures the suite shares: recorded runs (each made once a session on first use), hand-built
+runs, and a real headless Chromium for the pages."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,11 @@ import pytest
 
 from pptrace.topology import Layout
 from tracegen import STAGE0, STAGE1, run_from_docs, trace_doc
+
+CHROMIUM = "/usr/bin/chromium"
+#: no network, no background services: a page that needed one would fail to render
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
 #: Real GPU traces recorded elsewhere (HTA's test data, MIT; see the README there), copied
 #: from ../shared/fixtures/hta-gpu so the suite does not depend on files beside the checkout.
@@ -113,3 +119,19 @@ def scenario_run(tmp_path):
     layout = Layout(pp=2)
     return run_from_docs(tmp_path, {0: trace_doc(0, 2, STAGE0, layout=layout), 1: trace_doc(1, 2, STAGE1, layout=layout)},
                          layout, schedule="1f1b", microbatches=2)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, headless, driven by Playwright (skipped with the reason where either
+    is missing)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:  # pragma: no cover - depends on the machine
+        pytest.skip("python playwright is not installed (pip install playwright)")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"{CHROMIUM} missing (apt-get install -y chromium)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()

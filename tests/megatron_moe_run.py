@@ -291,9 +291,6 @@ def run(out_dir, world: int = 2, layers: int = 2, experts: int = 4, topk: int = 
     return out
 
 
-def load_truth(run_dir) -> dict:
-    """rank -> that rank's truth document."""
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(Path(run_dir, "truth").glob("rank*.json"))}
 
 
 if __name__ == "__main__":

@@ -283,6 +283,23 @@ def compute_brackets(report: dict, truths: dict, steps, least: Spans, most: Span
     return out
 
 
+def assert_compute_is_the_sleeps(report: dict, truths: dict, steps, share: float = 0.08) -> None:
+    """Each (rank, step)'s compute within ``share`` of its sleeps, or at most what its pass
+    functions and loss calls spanned (+ TOLERANCE_MS) where a busy box stalled them beyond
+    that (torch's own pass functions were seen 13% over their sleeps with the suite beside)."""
+    parts, missed, found = breakdowns(report), {}, {}
+    for rank, t in truths.items():
+        for step in steps:
+            lo, hi = step_span(truths, rank, step)
+            slept, spanned = covered(sleeps(t, step), lo, hi) / 1e9, covered(passes(t, step), lo, hi) / 1e9
+            compute = parts[rank, step]["compute"]
+            found[rank, step] = (round(compute * 1e3, 1), round(slept * 1e3, 1), round(spanned * 1e3, 1))
+            if compute < (1 - share) * slept or compute > max((1 + share) * slept, spanned + TOLERANCE_MS / 1e3):
+                missed[rank, step] = found[rank, step]
+    assert not missed, (f"(rank, step) -> (compute, sleeps, passes ms) beyond {share:.0%} of the sleeps: "
+                        f"{missed}; all: {found}")
+
+
 def assert_inside(brackets: dict, what: str, tolerance_ms: float = TOLERANCE_MS) -> None:
     """Every (rank, step) inside its bracket (widened by ``tolerance_ms``); the failure names
     each miss and shows every bracket."""

@@ -15,31 +15,11 @@ import pytest
 
 from dashboard_runs import synthetic_report, write_gpipe_run
 
-CHROMIUM = "/usr/bin/chromium"
-LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 ARTIFACTS = Path(__file__).parents[1] / "artifacts"
 FIGURES = ("timeline", "replay", "partition", "bubble", "comm", "p2p_links", "collectives", "stragglers")
 P, M = 4, 4  # trainer run: 4 stages, 4 microbatches
 
 pytestmark = pytest.mark.browser
-
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    sync_playwright = None
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if sync_playwright is None:
-        pytest.skip("python playwright is not installed (pip install playwright)")
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} missing (apt-get install -y chromium)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
-        yield b
-        b.close()
 
 
 class Page:

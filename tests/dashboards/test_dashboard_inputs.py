@@ -20,7 +20,7 @@ from dashboards.page import PRINT_WIDTH_PX
 from dashboard_runs import synthetic_report
 from hostile import checksums, no_traceback, pptrace, stderr_lines
 from pptrace.topology import Layout
-from test_dashboard_browser import Page, browser  # noqa: F401 (browser: the Chromium fixture)
+from test_dashboard_browser import Page
 from tracegen import pipeline_run
 
 GPU_FIXTURES = sorted((Path(__file__).parents[1] / "data" / "hta-gpu").glob("*.json.gz"))
@@ -217,7 +217,7 @@ def test_legend_order_is_fixed(run_copy, tmp_path):
 # item 20: printed, every figure is drawn and fits the paper (real headless Chromium)
 # ------------------------------------------------------------------------------------------
 @pytest.mark.browser
-def test_print_to_pdf_draws_every_figure(browser, run_copy, tmp_path):  # noqa: F811 (the fixture imported above)
+def test_print_to_pdf_draws_every_figure(browser, run_copy, tmp_path):
     (run_copy / "traces" / "rank2.json.gz").unlink()
     html = tmp_path / "page.html"
     figures = dashboard(run_copy, html)

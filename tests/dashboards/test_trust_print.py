@@ -13,7 +13,7 @@ import re
 import pytest
 
 from hostile import pptrace
-from test_dashboard_browser import Page, browser  # noqa: F401 (the fixture)
+from test_dashboard_browser import Page
 from tracegen import pipeline_run
 
 pytestmark = pytest.mark.browser
@@ -35,20 +35,20 @@ def page_file(tmp_path_factory):
     return html
 
 
-def _open(browser, html) -> Page:  # noqa: F811
+def _open(browser, html) -> Page:
     page = Page(browser)
     page.page.goto(html.resolve().as_uri())
     page.page.wait_for_function("document.getElementById('fig-timeline')._fullLayout")
     return page
 
 
-def test_the_timeline_is_taller_than_a_page_on_screen(browser, page_file):  # noqa: F811
+def test_the_timeline_is_taller_than_a_page_on_screen(browser, page_file):
     page = _open(browser, page_file)
     # landscape A4 less the 10 mm margins: 190 mm at 96 px/in
     assert page.page.evaluate("document.getElementById('timeline').offsetHeight") > 190 / 25.4 * 96
 
 
-def test_every_section_prints_on_one_page(browser, page_file):  # noqa: F811
+def test_every_section_prints_on_one_page(browser, page_file):
     page = _open(browser, page_file)
     sections = page.page.evaluate("[...document.querySelectorAll('section')].map(s => s.id)")
     assert sections[0] == "timeline" and len(sections) >= 6

@@ -2,7 +2,6 @@
 figures render with what the document holds, and nothing errs or reaches for the network."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,26 +9,7 @@ import pytest
 from diff_docs import cell, document
 from pptrace.diff import diff
 
-CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.browser
-
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    sync_playwright = None
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if sync_playwright is None:
-        pytest.skip("python playwright is not installed (pip install playwright)")
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} missing (apt-get install -y chromium)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
-        yield b
-        b.close()
-
 
 def _page(tmp_path) -> tuple[Path, dict]:
     from pptrace.export.dashboard import write_diff_page

@@ -20,7 +20,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from megatron.core.tensor_parallel import mappings  # noqa: E402
 from megatron.core.transformer.moe import moe_layer, token_dispatcher  # noqa: E402
 
-from megatron_moe_run import load_truth, run  # noqa: E402
+from megatron_moe_run import run  # noqa: E402
+from megatron_run import load_truth  # noqa: E402  (one truth format for both harnesses)
 from pptrace.integrations import megatron as integration  # noqa: E402
 
 RUN = dict(world=2, layers=2, microbatches=2, steps=3, profile_steps="1-2", hot_expert=0, skew=3.0)

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from pipelining_run import SCHEDULES, load_truth, run
-from truth_checks import (TOLERANCE_MS, assert_inside, breakdowns, covered, orders_that_ran, check_dashboard,
+from truth_checks import (assert_compute_is_the_sleeps, assert_inside, breakdowns, orders_that_ran, check_dashboard,
                           check_whatif_replay, compute_brackets, idle_brackets, loss_calls, passes, passes_and_own_work,
-                          sends_per_step, sleeps, step_span, truth_step)
+                          sends_per_step, sleeps, truth_step)
 
 #: the last stage's loss sleeps 10 ms after each forward (torchtitan's loss wrapper runs the
 #: output head and cross entropy there): compute of that stage, outside torch's pass functions
@@ -410,18 +410,7 @@ def test_noshapes_compute_is_the_sleeps(noshapes):
     A busy box can stall torch's own pass functions beyond that (a rank-step whose passes
     took 13% longer than their sleeps was seen with the suite running beside it): compute
     may then reach what the pass functions and loss calls spanned, never more."""
-    m = noshapes
-    parts, missed, found = breakdowns(m.report), {}, {}
-    for rank, t in m.truth.items():
-        for step in PROFILED:
-            lo, hi = step_span(m.truth, rank, step)
-            slept, spanned = covered(sleeps(t, step), lo, hi) / 1e9, covered(passes(t, step), lo, hi) / 1e9
-            compute = parts[rank, step]["compute"]
-            found[rank, step] = (round(compute * 1e3, 1), round(slept * 1e3, 1), round(spanned * 1e3, 1))
-            if compute < (1 - COMPUTE_SHARE) * slept or compute > max((1 + COMPUTE_SHARE) * slept,
-                                                                        spanned + TOLERANCE_MS / 1e3):
-                missed[rank, step] = found[rank, step]
-    assert not missed, f"(rank, step) -> (compute, sleeps, passes ms) beyond 8% of the sleeps: {missed}; all: {found}"
+    assert_compute_is_the_sleeps(noshapes.report, noshapes.truth, PROFILED, COMPUTE_SHARE)
 
 
 @pytest.mark.slow

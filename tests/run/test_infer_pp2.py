@@ -22,8 +22,8 @@ import pytest
 
 from pptrace.run import infer
 from pptrace.run.build import load_run
-from truth_checks import (TOLERANCE_MS, assert_inside, breakdowns, covered, idle_brackets, passes, sends_per_step,
-                          sleeps, step_span)
+from truth_checks import (assert_compute_is_the_sleeps, assert_inside, breakdowns, idle_brackets, passes, sends_per_step,
+                          sleeps)
 
 RUN = dict(world=2, microbatches=8, steps=3, profile_steps="1-2", fwd_ms=20, bwd_ms=40, loss_ms=10)
 PROFILED = (1, 2)
@@ -81,18 +81,7 @@ def test_two_stage_interleaved_every_message_pairs_and_no_wait_is_transfer(inter
 def test_two_stage_interleaved_compute_is_the_sleeps(interleaved):
     """Within 8% of the sleeps per rank and step (at most what the pass functions and loss
     calls spanned where a busy box stalled them beyond that)."""
-    m = interleaved
-    parts, missed, found = breakdowns(m.report), {}, {}
-    for rank, t in m.truth.items():
-        for step in PROFILED:
-            lo, hi = step_span(m.truth, rank, step)
-            slept, spanned = covered(sleeps(t, step), lo, hi) / 1e9, covered(passes(t, step), lo, hi) / 1e9
-            compute = parts[rank, step]["compute"]
-            found[rank, step] = (round(compute * 1e3, 1), round(slept * 1e3, 1), round(spanned * 1e3, 1))
-            if compute < (1 - COMPUTE_SHARE) * slept or compute > max((1 + COMPUTE_SHARE) * slept,
-                                                                        spanned + TOLERANCE_MS / 1e3):
-                missed[rank, step] = found[rank, step]
-    assert not missed, f"(rank, step) -> (compute, sleeps, passes ms): {missed}; all: {found}"
+    assert_compute_is_the_sleeps(interleaved.report, interleaved.truth, PROFILED, COMPUTE_SHARE)
 
 
 @pytest.mark.slow
