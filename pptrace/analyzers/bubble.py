@@ -101,12 +101,14 @@ def _phase_bubble(partitions_by_key: dict, times: pd.DataFrame) -> pd.DataFrame:
     """(rank, step) -> bubble seconds in warm-up / steady / cool-down. Warm-up ends at the
     first backward; cool-down starts after the last forward (or at the first backward when
     all forwards come first, as in GPipe)."""
+    # the phase bounds of every (rank, step) in one groupby each, not a filter per key
+    keys = ["rank", "step"]
+    first_bwd = times[times["op"].isin((BWD, BWD_INPUT)).to_numpy()].groupby(keys)["start_ns"].min().to_dict()
+    last_fwd = times[times["op"].isin(FWD_OPS).to_numpy()].groupby(keys)["end_ns"].max().to_dict()
     rows = []
     for (rank, step), part in partitions_by_key.items():
-        mine = times[(times["rank"] == rank) & (times["step"] == step)]
-        f, b = mine[mine["op"].isin(FWD_OPS)], mine[mine["op"].isin((BWD, BWD_INPUT))]
-        t1 = int(b["start_ns"].min()) if not b.empty else part.end_ns
-        t2 = max(int(f["end_ns"].max()) if not f.empty else t1, t1)
+        t1 = int(first_bwd.get((rank, step), part.end_ns))
+        t2 = max(int(last_fwd.get((rank, step), t1)), t1)
         bubble = part.parts["pp_bubble"]
         rows.append({
             "rank": rank, "step": step,
