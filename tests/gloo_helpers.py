@@ -95,11 +95,16 @@ def cases_by_world(cases: dict) -> dict:
     return worlds
 
 
+def _each_case(fn, cases: list[dict]) -> list:
+    return [fn(case) for case in cases]
+
+
 def run_case_worlds(fn, worlds: dict, trace_root, timeout: float = 240) -> dict:
-    """``worlds``: world size -> {case name: fn's kwargs}; each world's cases run one after
-    another in one set of gloo ranks (one start-up per world, not per case), a case's
-    ``profile`` naming its trace directory under ``trace_root``. -> case name -> [result of
-    each rank], and "trace_root"."""
+    """``worlds``: world size -> {case name: kwargs}; each world's cases run one after
+    another in one set of gloo ranks (one start-up per world, not per case), ``fn(case)`` on
+    every rank (a module-level function: the ranks import it), a case's ``profile`` naming
+    its trace directory under ``trace_root``. -> case name -> [result of each rank], and
+    "trace_root"."""
     out = {}
     for world, cases in worlds.items():
         todo = []
@@ -108,7 +113,7 @@ def run_case_worlds(fn, worlds: dict, trace_root, timeout: float = 240) -> dict:
             if case.get("profile"):
                 case["profile_dir"] = str(trace_root / case.pop("profile"))
             todo.append(case)
-        per_rank = run_gloo(world, fn, todo, timeout=timeout)
+        per_rank = run_gloo(world, _each_case, fn, todo, timeout=timeout)
         for i, name in enumerate(cases):
             out[name] = [per_rank[r][i] for r in range(world)]
     out["trace_root"] = trace_root

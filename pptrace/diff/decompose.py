@@ -51,9 +51,11 @@ def change(row) -> dict:
 
 
 def by_quantity(long: pd.DataFrame) -> dict:
-    """scope value -> {quantity: change}."""
-    return {scope: {q: change(r) for q, r in zip(rows["quantity"], rows.to_dict("records"))}
-            for scope, rows in long.groupby("scope", sort=True)}
+    """scope value -> {quantity: change}, scopes in order (one pass over the rows)."""
+    out: dict = {}
+    for row in long.sort_values("scope", kind="stable").to_dict("records"):
+        out.setdefault(row["scope"], {})[row["quantity"]] = change(row)
+    return out
 
 
 def waterfall(step: dict, values: dict, items: list[tuple[str, str]]) -> dict:

@@ -243,10 +243,6 @@ def _run_case(case: dict) -> dict:
                       if not getattr(p, "tensor_model_parallel", False)}}
 
 
-def _run_cases(cases: list[dict]) -> list[dict]:
-    return [_run_case(case) for case in cases]
-
-
 CASES = {
     "dp2_ep2": dict(layout=dict(dp=2, ep=2), world=2, profile="dp2_ep2"),
     "dp2_ep2_split_backward": dict(layout=dict(dp=2, ep=2), split=True, world=2),
@@ -257,7 +253,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_case_worlds(_run_cases, cases_by_world(CASES), tmp_path_factory.mktemp("traces"))
+    return run_case_worlds(_run_case, cases_by_world(CASES), tmp_path_factory.mktemp("traces"))
 
 
 @pytest.fixture(scope="module")

@@ -88,10 +88,6 @@ def _run_case(case: dict) -> dict:
             "tokens": num_local_tokens(CFG, pstate, MBS), "labels": labels.numel(), "launched": launched}
 
 
-def _run_cases(cases: list[dict]) -> list[dict]:
-    return [_run_case(case) for case in cases]
-
-
 CASES_2 = {
     "tp2": dict(layout=dict(tp=2)),
     "tp2_sp": dict(layout=dict(tp=2), sp=True),
@@ -109,7 +105,7 @@ CASES_4 = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_case_worlds(_run_cases, {2: CASES_2, 4: CASES_4}, tmp_path_factory.mktemp("traces"))
+    return run_case_worlds(_run_case, {2: CASES_2, 4: CASES_4}, tmp_path_factory.mktemp("traces"))
 
 
 @pytest.fixture(scope="module")
