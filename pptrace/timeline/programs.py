@@ -28,22 +28,20 @@ def main_thread_work(events: pd.DataFrame, steps=None, categories=WORK_CATEGORIE
     return keep
 
 
-def measured_programs(events: pd.DataFrame, messages: dict, lo: int, hi: int) -> list[list[Op]]:
-    """Per rank of ``events`` (one step's main-thread ranges), the ops it ran inside [lo, hi]
-    in its measured order: each top-level range a "run" of its measured duration (ns; ranges
-    inside a pass are part of the pass), each matched pipeline p2p op a "post" where it
-    began and a "wait" where it ended. Ranges nested in an open p2p op (ZB-H1's W passes,
-    Megatron's overlap_p2p_comm) so run between posting and waiting, as they did.
-    ``messages``: event index -> the Msgs of its matched pairs (``pair_messages``); an
-    unmatched op has nobody to wait for and is left out."""
-    inside = (events["start_ns"] >= lo).to_numpy() & (events["end_ns"] <= hi).to_numpy()
-    return [_measured_program(g, messages) for _, g in events[inside].groupby("rank", observed=True)]
+def measured_programs(start, end, is_pp, index, bounds, messages: dict) -> list[list[Op]]:
+    """Per rank of one step (``bounds``: where each rank's rows begin and end in the arrays,
+    which hold that step's main-thread ranges inside its window, each rank's sorted by start
+    then longest first), the ops it ran in its measured order: each top-level range a "run"
+    of its measured duration (ns; ranges inside a pass are part of the pass), each matched
+    pipeline p2p op (``is_pp``) a "post" where it began and a "wait" where it ended. Ranges
+    nested in an open p2p op (ZB-H1's W passes, Megatron's overlap_p2p_comm) so run between
+    posting and waiting, as they did. ``messages``: event index -> the Msgs of its matched
+    pairs (``pair_messages``); an unmatched op has nobody to wait for and is left out."""
+    return [_measured_program(start[a:b], end[a:b], is_pp[a:b], index[a:b], messages)
+            for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _measured_program(ev: pd.DataFrame, messages: dict) -> list[Op]:
-    ev = ev.sort_values(["start_ns", "end_ns"], ascending=[True, False])  # stable: equal spans keep the trace's order
-    is_pp = ((ev["category"] == "p2p") & (ev["kind"] == "pp")).to_numpy() & ev.index.isin(list(messages))
-    start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
+def _measured_program(start, end, is_pp, index, messages: dict) -> list[Op]:
     # top-level: begins at or after the end of every earlier range that is not a p2p op
     reach = np.maximum.accumulate(np.where(is_pp, np.iinfo(np.int64).min, end))
     top = ~is_pp & (start >= np.concatenate(([np.iinfo(np.int64).min], reach[:-1])))
@@ -57,7 +55,7 @@ def _measured_program(ev: pd.DataFrame, messages: dict) -> list[Op]:
     order = np.lexsort((row, klass, time))
     kind = np.repeat([0, 1, 2], [post.size, post.size, run.size])[order].tolist()
     row = row[order].tolist()
-    index, duration = ev.index.tolist(), (end - start).tolist()
+    index, duration = index.tolist(), (end - start).tolist()
     return [Op("post", msgs=messages[index[i]], handle=index[i]) if k == 0
             else Op("wait", handle=index[i]) if k == 1 else Op("run", duration=duration[i])
             for k, i in zip(kind, row)]
@@ -97,14 +95,34 @@ def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
     steps = list(windows)
     keep = main_thread_work(ev, steps)
     messages = pair_messages(pairs[pairs["step"].isin(steps).to_numpy()])
+    work = ev[keep]
+    step = work["step"].to_numpy(np.int64)
+    start, end = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
+    # each step's ranges inside its window, as one selection (not a frame per rank and step)
+    known = np.array(sorted(windows), np.int64)
+    at = np.searchsorted(known, step)
+    lo = np.array([windows[int(s)][0] for s in known], np.int64)[at]
+    hi = np.array([windows[int(s)][1] for s in known], np.int64)[at]
+    inside = np.flatnonzero((start >= lo) & (end <= hi))
+    rank, step, start, end = work["rank"].to_numpy(np.int64)[inside], step[inside], start[inside], end[inside]
+    index = work.index.to_numpy()[inside]
+    is_pp = ((work["category"] == "p2p") & (work["kind"] == "pp")).to_numpy()[inside] \
+        & np.isin(index, np.fromiter(messages, np.int64, len(messages)))
+    # by step, rank, start, longest first; stable: equal spans keep the trace's order
+    order = np.lexsort((-end, start, rank, step))
+    rank, step, start, end, index, is_pp = (a[order] for a in (rank, step, start, end, index, is_pp))
+    cuts = np.flatnonzero((np.diff(step) != 0) | (np.diff(rank) != 0)) + 1
+    groups = np.concatenate(([0], cuts, [step.size])) if step.size else np.zeros(1, np.int64)
+    group_step = step[groups[:-1]]
     out = {}
-    for step, work in ev[keep].groupby("step", observed=True):
-        lo, hi = windows[int(step)]
+    for s in np.unique(work["step"].to_numpy(np.int64)).tolist():  # a step with none inside replays empty
+        mine = np.flatnonzero(group_step == s)
+        bounds = np.append(groups[mine], groups[mine[-1] + 1]) if mine.size else np.zeros(1, np.int64)
         # Durations in integer ns and clocks from 0 at the window's start: exact sums.
         try:
-            rows = replay(measured_programs(work, messages, lo, hi), lambda op, stage: op.duration,
-                          lambda msg: 0, sends="eager")
+            rows = replay(measured_programs(start, end, is_pp, index, bounds, messages),
+                          lambda op, stage: op.duration, lambda msg: 0, sends="eager")
         except ValueError:
             continue
-        out[int(step)] = lo + max((row[5] for row in rows), default=0)
+        out[int(s)] = windows[int(s)][0] + max((row[5] for row in rows), default=0)
     return out
