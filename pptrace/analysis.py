@@ -43,6 +43,16 @@ SCHEMA = "pptrace.analysis/1"
 
 def strict_json(value):
     """numpy scalars -> Python, NaN/inf -> None, recursively: strict JSON."""
+    # the document's own types first, by exact type (a 1,024-rank document is 400k values)
+    kind = type(value)
+    if kind is dict:
+        return {k if type(k) is str else str(k): strict_json(v) for k, v in value.items()}
+    if kind is list:
+        return [strict_json(v) for v in value]
+    if kind is float:
+        return value if math.isfinite(value) else None
+    if kind is int or kind is str or kind is bool or value is None:
+        return value
     if isinstance(value, dict):
         return {str(k): strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, np.ndarray)):
@@ -92,6 +102,26 @@ _GPU_FIELDS = ("time_s", "busy_s", "compute_s", "comm_s", "overlap_s", "overlap_
                "memcpy_s", "memcpy_exposed_s", "idle_s", "launch_bound_s", "host_launching_s")
 
 
+def _slice_means(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per slice [starts[i], ends[i]) of ``values``: its mean skipping NaN, the float
+    ``Series.mean`` gives (each slice's own pairwise sum: ``np.add.reduceat`` sums in
+    another order, which changes last bits); NaN for an empty or all-NaN slice. Slices of
+    one length (every rank with every step) are one reshaped sum."""
+    known = ~np.isnan(values)
+    zeroed = np.where(known, values, 0.0)  # adding 0.0 leaves a pairwise sum's bits alone
+    lengths = ends - starts
+    if len(starts) and (lengths == lengths[0]).all() and (starts == np.arange(len(starts)) * lengths[0]).all() \
+            and ends[-1] == len(values):
+        k = int(lengths[0])
+        sums = zeroed.reshape(-1, k).sum(axis=1) if k else np.zeros(len(starts))
+        counts = known.reshape(-1, k).sum(axis=1) if k else np.zeros(len(starts), np.int64)
+    else:  # some rank lacks a step: slice by slice
+        sums = np.array([zeroed[a:b].sum() for a, b in zip(starts, ends)], np.float64)
+        counts = np.array([known[a:b].sum() for a, b in zip(starts, ends)], np.int64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
 def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits: pd.DataFrame) -> list[dict]:
     out = []
     # rank -> {dim: {wait_s, transfer_s}}: the table's records once (JSON output, not analysis)
@@ -101,28 +131,40 @@ def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits
             by_rank.setdefault(int(r), {})[str(d)] = v
     # pp_bubble_or_transfer only in a run where some peer is not loaded: the document of a whole run is unchanged
     parts_of = [*PARTS, UNSPLIT] if UNSPLIT in table and table[UNSPLIT].any() else list(PARTS)
-    for rank in run.ranks:
-        if ranks is not None and rank not in ranks:
-            continue
+    hidden_of = [f"hidden_{d}" for d in COMM_DIMS]
+    # every rank's rows as one slice of the table sorted by rank (its order within a rank
+    # kept), read out of whole columns: one pass, not a filter of the table per rank
+    table = table.iloc[np.argsort(table["rank"].to_numpy(), kind="stable")]
+    chosen = None if ranks is None else set(ranks)
+    wanted = [r for r in run.ranks if chosen is None or r in chosen]
+    rank_col = table["rank"].to_numpy()
+    bounds = np.searchsorted(rank_col, np.asarray(wanted, np.int64))
+    ends = np.searchsorted(rank_col, np.asarray(wanted, np.int64), side="right")
+    steps_col, time_col = table["step"].to_numpy().tolist(), table["time_s"].to_numpy(np.float64)
+    records = table[parts_of].to_dict("records")
+    hidden_records = table[hidden_of].set_axis(list(COMM_DIMS), axis=1).to_dict("records")
+    cols = {name: table[name].to_numpy(np.float64) for name in ("time_s", *parts_of, *hidden_of)}
+    means = {name: _slice_means(col, bounds, ends) for name, col in cols.items()}
+    on_gpu_rows = _gpu_rows(gpu)
+    for i, rank in enumerate(wanted):
+        a, b = int(bounds[i]), int(ends[i])
         coords = run.layout.coords(rank)._asdict() if rank < run.layout.world_size else None
-        mine = table[table["rank"] == rank]
-        hidden = mine[[f"hidden_{d}" for d in COMM_DIMS]].set_axis(list(COMM_DIMS), axis=1)
         steps = [{"step": int(step), "time_s": time, "breakdown_s": parts, "hidden_s": dims}
-                 for step, time, parts, dims in zip(mine["step"], mine["time_s"], mine[parts_of].to_dict("records"),
-                                                   hidden.to_dict("records"))]
+                 for step, time, parts, dims in zip(steps_col[a:b], time_col[a:b], records[a:b], hidden_records[a:b])]
         # GPU timeline (analyzers/gpu_timeline.py): beside the partition, memcpy and idle apart, launch-bound
-        on_gpu = gpu[gpu["rank"] == rank].set_index("step") if len(gpu) else gpu
-        for entry in steps:
-            if entry["step"] in on_gpu.index:
-                g = on_gpu.loc[entry["step"]]
-                entry["gpu"] = {k: g[k] for k in _GPU_FIELDS} | {"launch_bound": bool(g["launch_bound"])}
+        on_gpu = on_gpu_rows.get(rank)
+        if on_gpu is not None:
+            for entry in steps:
+                if entry["step"] in on_gpu[0]:
+                    g = on_gpu[0][entry["step"]]
+                    entry["gpu"] = {k: g[k] for k in _GPU_FIELDS} | {"launch_bound": bool(g["launch_bound"])}
         mean = None
-        if len(mine):
-            mean = {"time_s": mine["time_s"].mean(),
-                    "breakdown_s": {part: mine[part].mean() for part in parts_of},
-                    "hidden_s": {d: mine[f"hidden_{d}"].mean() for d in COMM_DIMS}}
-            if len(on_gpu):
-                mean["gpu"] = {k: on_gpu[k].astype(float).mean() for k in _GPU_FIELDS}
+        if b > a:
+            mean = {"time_s": means["time_s"][i],
+                    "breakdown_s": {part: means[part][i] for part in parts_of},
+                    "hidden_s": {d: means[f"hidden_{d}"][i] for d in COMM_DIMS}}
+            if on_gpu is not None:
+                mean["gpu"] = on_gpu[1]
             if rank in by_rank:  # collective time waiting for the group's last rank vs after it
                 mean["collectives"] = by_rank[rank]
         out.append({
@@ -132,6 +174,18 @@ def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits
             "clock_uncertainty_us": (run.uncertainty_ns.get(rank) or 0) / 1e3,
             "steps": steps, "mean": mean,
         })
+    return out
+
+
+def _gpu_rows(gpu: pd.DataFrame) -> dict:
+    """rank -> ({step: its GPU timeline row}, the rank's mean of each field) of the GPU table."""
+    if not len(gpu):
+        return {}
+    out = {}
+    for rank, mine in gpu.groupby("rank", sort=False):  # GPU runs: a few ranks' traces
+        by_step = mine.set_index("step")
+        out[int(rank)] = ({step: by_step.loc[step] for step in by_step.index},
+                          {k: by_step[k].astype(float).mean() for k in _GPU_FIELDS})
     return out
 
 
@@ -252,7 +306,7 @@ class Analysis:
 
     @cached_property
     def collectives(self) -> pd.DataFrame:
-        chosen = self.partitions if self._ranks is None else [p for p in self.partitions if p.rank in self._ranks]
+        chosen = self.partitions if self._ranks is None else self.partitions.take(np.isin(self.partitions.rank, self._ranks))
         return collectives_by_dim(self._selected_run, chosen, self._instances)
 
     @cached_property

@@ -74,7 +74,7 @@ def input_warnings(run: Run, partitions, pairs_unmatched) -> list[str]:
     missing = list(getattr(run, "missing_ranks", ()))  # of the ranks requested (load_run's ranks)
     if missing and not any("no usable trace" in w for w in run.warnings):
         warnings.append(f"ranks {missing[:8]} of {run.layout.world_size} have no trace; results cover the others only")
-    stepped = {p.rank for p in partitions}
+    stepped = set(partitions.rank.tolist())
     unstepped = sorted(set(run.ranks) - stepped)
     if unstepped:
         warnings.append(
@@ -93,8 +93,8 @@ def input_warnings(run: Run, partitions, pairs_unmatched) -> list[str]:
             "counts as pp_transfer (wait and transfer cannot be told apart without the peer)"
         )
     already = any("clock alignment" in w for w in run.warnings)
-    if partitions and run.uncertainty_ns and not already:
-        step = float(np.mean([p.wall_ns for p in partitions]))
+    if len(partitions) and run.uncertainty_ns and not already:
+        step = float(np.mean(partitions.wall_ns))
         bad = {r: b for r, b in run.uncertainty_ns.items() if b and b > CLOCK_WARN_FRACTION * step}
         if bad:
             worst = max(bad, key=bad.get)

@@ -70,14 +70,14 @@ class _Quiet:
 class _Row:
     """One phase's row of the rich display."""
 
-    def __init__(self, display, label: str, total):
-        self._display, self._label = display, label
-        self._task = display.add_task(label, total=total, count=_count_text(0, total))
+    def __init__(self, display, label: str, total, note: str = ""):
+        self._display, self._label, self._note = display, label, note
+        self._task = display.add_task(label, total=total, count=_count_text(0, total) + note)
         self._total, self._done = total, 0
 
     def advance(self, n: int = 1) -> None:
         self._done += n
-        self._display.update(self._task, advance=n, count=_count_text(self._done, self._total))
+        self._display.update(self._task, advance=n, count=_count_text(self._done, self._total) + self._note)
 
     def describe(self, label: str) -> None:
         self._label = label
@@ -92,8 +92,9 @@ class _Row:
 class _Line:
     """One phase on a stderr that is not a terminal: a plain line when it ends."""
 
-    def __init__(self, label: str, total):
+    def __init__(self, label: str, total, note: str = ""):
         self._label, self._total, self._done, self._t0 = label, total, 0, time.perf_counter()
+        self._note = note
 
     def advance(self, n: int = 1) -> None:
         self._done += n
@@ -104,7 +105,8 @@ class _Line:
     def finish(self) -> None:
         count = f" {_count_text(self._done, self._total)}" if self._total else ""
         try:
-            print(f"pptrace: {self._label}{count} ({time.perf_counter() - self._t0:.2f} s)", file=sys.stderr, flush=True)
+            print(f"pptrace: {self._label}{count}{self._note} ({time.perf_counter() - self._t0:.2f} s)",
+                  file=sys.stderr, flush=True)
         except (OSError, ValueError):  # stderr closed under us: progress is never worth a crash
             pass
 
@@ -126,15 +128,16 @@ def _new_display():
 
 
 @contextmanager
-def phase(label: str, total: int | None = None, enabled: bool | None = None):
+def phase(label: str, total: int | None = None, enabled: bool | None = None, note: str = ""):
     """Show ``label`` while the block runs; ``total`` items make it a bar (``advance()`` the
-    handle it yields). Phases inside phases share one display."""
+    handle it yields); ``note`` is said after the count (how the work is done: " (2 workers:
+    ...)"), so that the label stays the phase's name. Phases inside phases share one display."""
     global _display
     if not wanted(enabled):
         yield _Quiet()
         return
     if not _stderr_is_terminal():
-        row = _Line(label, total)
+        row = _Line(label, total, note)
         try:
             yield row
         except BaseException:
@@ -147,7 +150,7 @@ def phase(label: str, total: int | None = None, enabled: bool | None = None):
     if outermost:
         _display = _new_display()
         _display.start()
-    row = _Row(_display, label, total)
+    row = _Row(_display, label, total, note)
     try:
         yield row
     finally:

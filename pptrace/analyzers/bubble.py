@@ -31,7 +31,6 @@ from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD, FWD_OP
 from ..schedules.replay import PipelineTimes, action_programs, simulate
 from ..timeline.exchanges import on_gpu
 from ..timeline.programs import latency_free_ends
-from ..timeline.intervals import Intervals
 
 
 class Action(NamedTuple):
@@ -97,26 +96,31 @@ def _per_microbatch_by_chunk(times: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _phase_bubble(partitions_by_key: dict, times: pd.DataFrame) -> pd.DataFrame:
-    """(rank, step) -> bubble seconds in warm-up / steady / cool-down. Warm-up ends at the
-    first backward; cool-down starts after the last forward (or at the first backward when
-    all forwards come first, as in GPipe)."""
-    # the phase bounds of every (rank, step) in one groupby each, not a filter per key
+def _at(series: pd.Series, rows: pd.MultiIndex, default: np.ndarray) -> np.ndarray:
+    """``series`` (int64, indexed like ``rows``) at each of ``rows``; ``default`` where absent.
+    Not reindex: a missing row would turn the column into floats, which cannot hold a time."""
+    pos = series.index.get_indexer(rows) if len(series) else np.full(len(rows), -1)
+    values = series.to_numpy(np.int64)
+    return np.where(pos >= 0, values[np.maximum(pos, 0)] if len(values) else default, default)
+
+
+def _phase_bubble(partitions, times: pd.DataFrame) -> pd.DataFrame:
+    """Per partition (rank, step): bubble seconds in warm-up / steady / cool-down. Warm-up
+    ends at the first backward; cool-down starts after the last forward (or at the first
+    backward when all forwards come first, as in GPipe)."""
     keys = ["rank", "step"]
-    first_bwd = times[times["op"].isin((BWD, BWD_INPUT)).to_numpy()].groupby(keys)["start_ns"].min().to_dict()
-    last_fwd = times[times["op"].isin(FWD_OPS).to_numpy()].groupby(keys)["end_ns"].max().to_dict()
-    rows = []
-    for (rank, step), part in partitions_by_key.items():
-        t1 = int(first_bwd.get((rank, step), part.end_ns))
-        t2 = max(int(last_fwd.get((rank, step), t1)), t1)
-        bubble = part.parts["pp_bubble"]
-        rows.append({
-            "rank": rank, "step": step,
-            "warmup_s": bubble.clip(part.start_ns, t1).total / 1e9,
-            "steady_s": bubble.clip(t1, t2).total / 1e9,
-            "cooldown_s": bubble.clip(t2, part.end_ns).total / 1e9,
-        })
-    return pd.DataFrame(rows, columns=["rank", "step", "warmup_s", "steady_s", "cooldown_s"])
+    first_bwd = times[times["op"].isin((BWD, BWD_INPUT)).to_numpy()].groupby(keys)["start_ns"].min()
+    last_fwd = times[times["op"].isin(FWD_OPS).to_numpy()].groupby(keys)["end_ns"].max()
+    rows = pd.MultiIndex.from_arrays([partitions.rank, partitions.step])
+    start, end = partitions.start_ns, partitions.end_ns
+    t1 = _at(first_bwd, rows, end)
+    t2 = np.maximum(_at(last_fwd, rows, t1), t1)
+    return pd.DataFrame({
+        "rank": partitions.rank, "step": partitions.step,
+        "warmup_s": partitions.covered("pp_bubble", start, t1) / 1e9,
+        "steady_s": partitions.covered("pp_bubble", t1, t2) / 1e9,
+        "cooldown_s": partitions.covered("pp_bubble", t2, end) / 1e9,
+    }, columns=["rank", "step", "warmup_s", "steady_s", "cooldown_s"])
 
 
 def theory_step(schedule: str | None, m: int, v: int, t_stage: np.ndarray, t_w: np.ndarray) -> float:
@@ -250,7 +254,7 @@ def replay_theory(run, times: pd.DataFrame, stages: pd.DataFrame, m: int, v: int
     return timeline.makespan_s, np.maximum(timeline.makespan_s - timeline.stages["compute_s"].to_numpy(), 0.0), source
 
 
-def bubble_split(run, partitions: list, pairs: pd.DataFrame | None = None) -> dict:
+def bubble_split(run, partitions, pairs: pd.DataFrame | None = None) -> dict:
     """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
 
     Per step, L is how much sooner the pipeline window would have ended with free p2p and no
@@ -273,16 +277,18 @@ def bubble_split(run, partitions: list, pairs: pd.DataFrame | None = None) -> di
         return {}
     profiled = {step: window for step, window in windows.items() if step in run.steps}
     latency = {step: max(profiled[step].end_ns - end, 0) for step, end in latency_free_ends(run, pairs, profiled).items()}
-    out = {}
-    window_of = {step: Intervals.span(lo, hi) for step, (lo, hi) in windows.items()}
-    for part in partitions:
-        if part.step not in latency:
-            continue
-        window = window_of[part.step]
-        own = (part.parts["pp_transfer"] & window).total + (part.parts["other"] & window).total
-        bubble = part.parts["pp_bubble"].total
-        out[(part.rank, part.step)] = int(min(max(latency[part.step] - own, 0), bubble))
-    return out
+    # per partition of a replayed step: its transfers and host gaps inside the pipeline window
+    replayed = np.array(sorted(latency), np.int64)
+    rows = np.flatnonzero(np.isin(partitions.step, replayed))
+    which = np.searchsorted(replayed, partitions.step[rows])
+    lo, hi = partitions.start_ns.copy(), partitions.start_ns.copy()  # elsewhere: empty windows
+    lo[rows] = np.array([windows[int(s)][0] for s in replayed], np.int64)[which]
+    hi[rows] = np.array([windows[int(s)][1] for s in replayed], np.int64)[which]
+    own = (partitions.covered("pp_transfer", lo, hi) + partitions.covered("other", lo, hi))[rows]
+    owed = np.array([latency[int(s)] for s in replayed], np.int64)[which]
+    value = np.minimum(np.maximum(owed - own, 0), partitions.totals("pp_bubble")[rows])
+    steps = partitions.step[rows]
+    return dict(zip(zip(partitions.rank[rows].tolist(), steps.tolist()), value.tolist()))
 
 
 def missing_stages(run) -> list[int]:
@@ -291,7 +297,7 @@ def missing_stages(run) -> list[int]:
     return sorted(set(range(run.layout.pp)) - {run.layout.coords(r).pp for r in run.ranks if r < world})
 
 
-def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple[pd.DataFrame, dict]:
+def pipeline_stages(run, partitions, latency: dict | None = None) -> tuple[pd.DataFrame, dict]:
     """(one row per physical stage with a loaded rank, run-level summary dict). ``latency``:
     bubble_split's output; without it the bubble is not split. A stage whose ranks have p2p
     with a peer not loaded has its bubble unknown (None: the split of that p2p time needs the
@@ -299,34 +305,39 @@ def pipeline_stages(run, partitions: list, latency: dict | None = None) -> tuple
     needs every stage's pass times): neither is a number made up from the stages present."""
     latency = latency or {}
     times = microbatch_times(run)
-    by_key = {(p.rank, p.step): p for p in partitions}
     p = run.layout.pp
     m = int(run.microbatches or (times["mb"].nunique() if not times.empty else 0))
     v = run.v
-    phases = _phase_bubble(by_key, times)
+    phases = _phase_bubble(partitions, times)
+    world = run.layout.world_size
+    stage_of = {r: run.layout.coords(r).pp for r in run.ranks if r < world}
+    row_stage = np.array([stage_of.get(int(r), -1) for r in partitions.rank], np.int64)
+    wall, unsplit, bubble_ns = partitions.wall_ns, partitions.unsplit_ns, partitions.totals("pp_bubble")
+    row_latency = np.array([latency.get(key, -1) for key in zip(partitions.rank.tolist(), partitions.step.tolist())],
+                           np.int64)
     by_chunk = _per_microbatch_by_chunk(times)
     absent = missing_stages(run) if p > 1 else []
     rows = []
     for stage in (s for s in range(p) if s not in absent):
-        ranks = [r for r in run.ranks if r < run.layout.world_size and run.layout.coords(r).pp == stage]
-        parts = [part for (rank, _), part in by_key.items() if rank in ranks]
+        ranks = [r for r in run.ranks if stage_of.get(r) == stage]
+        parts = np.flatnonzero(row_stage == stage)  # the stage's partitions, by (rank, step)
         st = times[times["stage"] == stage]
         chunks = [{"chunk": int(c), "t_fwd_s": float(f), "t_bwd_s": float(b)}
                   for (_, c), f, b in zip(by_chunk.loc[[stage]].index, by_chunk.loc[[stage], "fwd"],
                                           by_chunk.loc[[stage], "bwd"])] if stage in by_chunk.index else []
-        ph = phases[phases["rank"].isin(ranks)]
-        step_s = float(np.mean([q.wall_ns for q in parts]) / 1e9) if parts else 0.0
-        known = not any(q.unsplit_ns for q in parts)
-        bubble = float(np.mean([q.parts["pp_bubble"].total for q in parts]) / 1e9) if parts else 0.0
-        split = [latency[(q.rank, q.step)] for q in parts if (q.rank, q.step) in latency]
-        owed = float(np.mean(split) / 1e9) if parts and len(split) == len(parts) and known else None
+        ph = phases.iloc[parts]
+        step_s = float(np.mean(wall[parts]) / 1e9) if len(parts) else 0.0
+        known = not unsplit[parts].any()
+        bubble = float(np.mean(bubble_ns[parts]) / 1e9) if len(parts) else 0.0
+        split = row_latency[parts][row_latency[parts] >= 0]
+        owed = float(np.mean(split) / 1e9) if len(parts) and len(split) == len(parts) and known else None
         per_step = []
-        for q in sorted(parts, key=lambda q: (q.step, q.rank)):
-            lat = latency.get((q.rank, q.step)) if not q.unsplit_ns else None
-            mine = q.parts["pp_bubble"].total / 1e9 if not q.unsplit_ns else None
-            per_step.append({"rank": q.rank, "step": q.step, "bubble_s": mine,
+        for q in parts[np.lexsort((partitions.rank[parts], partitions.step[parts]))]:  # output rows, by (step, rank)
+            lat = int(row_latency[q]) if row_latency[q] >= 0 and not unsplit[q] else None
+            mine = int(bubble_ns[q]) / 1e9 if not unsplit[q] else None
+            per_step.append({"rank": int(partitions.rank[q]), "step": int(partitions.step[q]), "bubble_s": mine,
                              "bubble_latency_s": None if lat is None else lat / 1e9,
-                             "bubble_schedule_s": None if lat is None else (q.parts["pp_bubble"].total - lat) / 1e9})
+                             "bubble_schedule_s": None if lat is None else (int(bubble_ns[q]) - lat) / 1e9})
         phase = (lambda name: float(ph[name].mean()) if not ph.empty else 0.0) if known else (lambda name: None)
         rows.append({
             "stage": stage, "ranks": ranks, "step_s": step_s, "bubble_s": bubble if known else None,

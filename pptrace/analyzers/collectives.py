@@ -103,7 +103,7 @@ def waits_by_rank(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
                          "wait_s": out["wait_ns"] / n_steps / 1e9, "transfer_s": out["transfer_ns"] / n_steps / 1e9})
 
 
-def collectives_by_dim(run, partitions: list, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+def collectives_by_dim(run, partitions, inst: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per dimension with communication: per rank per step means."""
     ev = run.events
     calls = ev[ev["category"].isin(COMM_CATEGORIES) & (ev["lane_kind"] == "host")
@@ -115,8 +115,8 @@ def collectives_by_dim(run, partitions: list, inst: pd.DataFrame | None = None) 
     rows = []
     for dim in COMM_DIMS:
         mine = calls[calls["kind"] == dim]
-        exposed = sum(p.parts[f"{dim}_exposed"].total for p in partitions) / n_rank_steps / 1e9
-        hidden = sum(p.hidden[dim] for p in partitions) / n_rank_steps / 1e9
+        exposed = int(partitions.totals(f"{dim}_exposed").sum()) / n_rank_steps / 1e9
+        hidden = int(partitions.hidden[dim].sum()) / n_rank_steps / 1e9
         w = waits[waits["dim"] == dim] if not waits.empty else waits
         if mine.empty and exposed == 0 and hidden == 0 and w.empty:
             continue

@@ -71,10 +71,15 @@ class _Graph:
     ``w_at[k]:w_at[k + 1]`` (disjoint, in time order, so their ends ascend too) and exchange
     units ``x_at[k]:x_at[k + 1]``, in order of their end, then exchange id (so the first open
     one is the one waited on: the earliest to end, of a tie the first posted). Unit ``u``
-    (work) or ``n_work + j`` (exchange) synchronised with the peers ``wait_rank``/``wait_t``
-    (peer post ns) ``wait_at[u]:wait_at[u + 1]``, in order of ``wait_t``, and among equal
-    times in reverse partner order: the last one at or before t is then the latest peer,
-    of a tie the first partner (see _entries)."""
+    (work) or ``n_work + j`` (exchange) synchronised with its p2p peers ``wait_rank``/
+    ``wait_t`` (peer post ns) ``wait_at[u]:wait_at[u + 1]``, in order of ``wait_t``, and among
+    equal times in reverse partner order: the last one at or before t is then the latest
+    peer, of a tie the first partner (see _entries); ``wait_key`` is each one's partner
+    order. Its collectives are ``ref_*[ref_at[u]:ref_at[u + 1]]``: each names its instance's
+    members ``inst_*[inst_at[g]:inst_at[g + 1]]`` (by arrival, of a tie the first member
+    last) and the rank to skip there, its own. Listing every member against every other, as
+    the p2p peers are, would take n**2 entries for an instance of n ranks (1M per step for
+    a global all-reduce on 1,024 ranks); the walk searches the instance instead."""
 
     steps: np.ndarray  # step code -> step
     n_ranks: int
@@ -90,6 +95,15 @@ class _Graph:
     wait_rank: list
     wait_t: list
     wait_at: list
+    wait_key: list
+    ref_inst: list   # the instance's group g
+    ref_rank: list   # the member's own rank, skipped among the others
+    ref_key: list    # its partner order before its co-member's position
+    ref_at: list
+    inst_t: list
+    inst_rank: list
+    inst_pos: list
+    inst_at: list
     p2p_index: pd.Index      # the p2p ranges, in row order ...
     p2p_step: np.ndarray     # ... their step ...
     p2p_exchange: np.ndarray  # ... and exchange, numbered per step as exchanges.exchange_ids does
@@ -122,11 +136,30 @@ def _exchange_ids(step_code, rank, start, end, kind, n_ranks) -> tuple:
     return ids, step_first
 
 
+#: Collectives of up to this many members list every member against every other (a bisect
+#: over one list answers the walk fastest); larger ones are searched per instance (_members),
+#: which keeps the graph linear in members (a global all-reduce of 1,024 ranks would list 1M).
+_PAIRWISE_MAX = 32
+
+
+def _member_order(coll) -> tuple:
+    """The members in instance order (step, instance, row): step, instance, rank, event
+    index, arrival, and each member's instance number and that instance's size."""
+    c_step, inst = coll["step"].to_numpy(np.int64), coll["instance"].to_numpy(np.int64)
+    order = np.lexsort((np.arange(len(coll)), inst, c_step))
+    c_step, inst = c_step[order], inst[order]
+    new = np.r_[True, (c_step[1:] != c_step[:-1]) | (inst[1:] != inst[:-1])]
+    group = np.cumsum(new) - 1
+    size = np.bincount(group)[group]
+    return (c_step, inst, coll["rank"].to_numpy(np.int64)[order], coll["index"].to_numpy(np.int64)[order],
+            coll["arrive_ns"].to_numpy(np.int64)[order], group, size)
+
+
 def _entries(pairs: pd.DataFrame, coll) -> tuple:
     """Partner entries (step, event index, peer rank, peer post ns), then the keys of their
     order, which picks among peers that posted at one instant: p2p peers by pair (a send's
     before its recv's), then collective co-members by instance, the event's row, the
-    member's row."""
+    member's row. Collectives of more than _PAIRWISE_MAX members are left to _members."""
     n = len(pairs)
     pos = np.arange(n, dtype=np.int64)
     parts = [(np.tile(pairs["step"].to_numpy(np.int64), 2),
@@ -136,16 +169,13 @@ def _entries(pairs: pd.DataFrame, coll) -> tuple:
               np.zeros(2 * n, np.int64), np.r_[2 * pos, 2 * pos + 1], np.zeros(2 * n, np.int64),
               np.zeros(2 * n, np.int64))]
     if coll is not None and len(coll):
-        c_step, inst = coll["step"].to_numpy(np.int64), coll["instance"].to_numpy(np.int64)
-        order = np.lexsort((np.arange(len(coll)), inst, c_step))
-        c_step, inst = c_step[order], inst[order]
-        c_rank = coll["rank"].to_numpy(np.int64)[order]
-        c_index, arrive = coll["index"].to_numpy(np.int64)[order], coll["arrive_ns"].to_numpy(np.int64)[order]
-        head = np.flatnonzero(np.r_[True, (c_step[1:] != c_step[:-1]) | (inst[1:] != inst[:-1])])
-        size = np.diff(np.r_[head, len(order)])
+        c_step, inst, c_rank, c_index, arrive, group, size = _member_order(coll)
+        small = np.flatnonzero(size <= _PAIRWISE_MAX)
+        head = small[np.r_[True, group[small][1:] != group[small][:-1]]] if len(small) else small
+        size = size[head]
         # every member against every member of its instance
         m = np.repeat(size, size)
-        own = np.repeat(np.arange(len(order)), m)
+        own = np.repeat(small, m)
         begin = np.repeat(np.repeat(head, size), m)
         member = begin + np.arange(len(own)) - np.repeat(np.cumsum(m) - m, m)
         other = c_rank[own] != c_rank[member]
@@ -153,6 +183,22 @@ def _entries(pairs: pd.DataFrame, coll) -> tuple:
         parts.append((c_step[own], c_index[own], c_rank[member], arrive[member], np.ones(len(own), np.int64),
                       inst[own], own, member))
     return tuple(np.concatenate(col) for col in zip(*parts))
+
+
+def _members(coll) -> tuple:
+    """The members of collectives of more than _PAIRWISE_MAX ranks, in instance order: per
+    member its step, event index, rank, instance id, position (in _member_order) and
+    instance number g, and each instance's members by arrival (of a tie the first position
+    last: the walk's last one at or before t is then the latest, of a tie the first) as
+    (arrival, rank, position) with where each instance begins. A member's co-members come
+    in partner order as in _entries: by instance, own position, co-member position."""
+    c_step, inst, c_rank, c_index, arrive, group, size = _member_order(coll)
+    big = np.flatnonzero(size > _PAIRWISE_MAX)
+    group = np.unique(group[big], return_inverse=True)[1].astype(np.int64) if len(big) else big
+    by_arrival = np.lexsort((-big, arrive[big], group))
+    inst_at = np.searchsorted(group[by_arrival], np.arange((int(group.max()) + 2) if len(big) else 1)).tolist()
+    return (c_step[big], c_index[big], c_rank[big], inst[big], big, group,
+            (arrive[big][by_arrival].tolist(), c_rank[big][by_arrival].tolist(), big[by_arrival].tolist(), inst_at))
 
 
 def _graph(rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> _Graph:
@@ -227,24 +273,49 @@ def _graph(rows: pd.DataFrame, pairs: pd.DataFrame, coll) -> _Graph:
     row_part = np.zeros(n, np.int64)  # 0: own ranges, 1 + id: an exchange inside work
     row_part[pf] = np.where(inside[row_ex], 1 + row_ex, 0)
 
+    def in_rows(step, index):  # the rows of these event indices, -1 where not a step's own
+        row = rows.index.get_indexer(index)
+        ok = row >= 0
+        ok[ok] = steps[step_code[row[ok]]] == step[ok]  # a step's partners only
+        return np.where(ok, row, -1)
+
     e_step, e_index, e_rank, e_t, *e_order = _entries(pairs, coll)
-    e_row = rows.index.get_indexer(e_index)
+    e_row = in_rows(e_step, e_index)
     ok = e_row >= 0
-    ok[ok] = steps[step_code[e_row[ok]]] == e_step[ok]  # a step's partners only
-    e_row, e_rank, e_t = e_row[ok], e_rank[ok], e_t[ok]
+    e_row, e_rank, e_t, e_order = e_row[ok], e_rank[ok], e_t[ok], [o[ok] for o in e_order]
     e_unit = row_unit[e_row]
-    listed = np.lexsort((*[o[ok] for o in e_order[::-1]], time_pos[e_row], row_part[e_row], e_unit))
+    listed = np.lexsort((*e_order[::-1], time_pos[e_row], row_part[e_row], e_unit))
     place = np.empty(len(listed), np.int64)
     place[listed] = np.arange(len(listed))
     final = np.lexsort((-place, e_t, e_unit))
+    n_units = n_work + len(kept)
     at = lambda keys, n_keys: np.searchsorted(keys, np.arange(n_keys + 1)).tolist()  # noqa: E731
+    wait_key: list = []  # needed beside large collectives only: built then
+    if coll is not None and len(coll):
+        c_step, c_index, c_rank, inst, pos, group, members = _members(coll)
+        c_row = in_rows(c_step, c_index)
+        mine = np.flatnonzero(c_row >= 0)
+        c_row = c_row[mine]
+        r_unit = row_unit[c_row]
+        by_unit = np.argsort(r_unit, kind="stable")
+        mine, c_row, r_unit = mine[by_unit], c_row[by_unit], r_unit[by_unit]
+        refs = (group[mine].tolist(), c_rank[mine].tolist(),
+                list(zip(row_part[c_row].tolist(), time_pos[c_row].tolist(), [1] * len(mine), inst[mine].tolist(),
+                         pos[mine].tolist())), at(r_unit, n_units))
+        if len(mine):
+            wait_key = list(zip(row_part[e_row][final].tolist(), time_pos[e_row][final].tolist(),
+                                *(o[final].tolist() for o in e_order)))
+    else:
+        members, refs = ([], [], [], [0]), ([], [], [], [0] * (n_units + 1))
     return _Graph(
         steps=steps, n_ranks=n_ranks,
         w_start=w_start.tolist(), w_end=w_end.tolist(), w_phase=_phases(rows, wo[heads], False),
         w_at=at(w_group, n_groups),
         x_start=x_start[kept].tolist(), x_start_arr=x_start[kept], x_end=x_end[kept].tolist(),
         x_phase=x_phase[kept].tolist(), x_at=at(x_group[kept], n_groups),
-        wait_rank=e_rank[final].tolist(), wait_t=e_t[final].tolist(), wait_at=at(e_unit[final], n_work + len(kept)),
+        wait_rank=e_rank[final].tolist(), wait_t=e_t[final].tolist(), wait_at=at(e_unit[final], n_units),
+        wait_key=wait_key, ref_inst=refs[0], ref_rank=refs[1], ref_key=refs[2], ref_at=refs[3],
+        inst_t=members[0], inst_rank=members[1], inst_pos=members[2], inst_at=members[3],
         p2p_index=rows.index[pf], p2p_step=steps[step_code[pf]], p2p_exchange=ids - step_first[step_code[pf]],
     )
 
@@ -310,7 +381,7 @@ def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
     else:
         end = base + g.n_ranks
         n_units = g.w_at[end] - g.w_at[base] + g.x_at[end] - g.x_at[base]
-    w_start, w_end, x_start, x_end, wait_t = g.w_start, g.w_end, g.x_start, g.x_end, g.wait_t
+    w_start, w_end, x_start, x_end = g.w_start, g.w_end, g.x_start, g.x_end
     for _ in range(10 * n_units + 10):  # each turn lowers t or moves to a peer that posted earlier
         k = base + rank if base is not None and 0 <= rank < g.n_ranks else None
         if k is None or t <= floor or (g.w_at[k] == g.w_at[k + 1] and g.x_at[k] == g.x_at[k + 1]):
@@ -337,10 +408,10 @@ def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
             # the exchange being waited on, blocked in since the rank last finished something
             lo, phase, unit = max([x_start[j], *last]), g.x_phase[j], n_work + j
         # a == t: the message arrived the instant the peer posted (no latency), still a wait
-        p = bisect_right(wait_t, t, g.wait_at[unit], g.wait_at[unit + 1]) - 1
-        if p >= g.wait_at[unit] and wait_t[p] > lo:
-            emit(rank, phase, wait_t[p], t)
-            rank, t = g.wait_rank[p], wait_t[p]
+        peer = _latest_partner(g, unit, t)
+        if peer is not None and peer[0] > lo:
+            emit(rank, phase, peer[0], t)
+            t, rank = peer
         else:
             emit(rank, phase, lo, t)
             t = lo
@@ -357,6 +428,28 @@ def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
         step_time_s=float(np.median(w_last - w_first)) / 1e9,
         stages=stages, exchanges=pd.Series(g.p2p_exchange[mine], index=g.p2p_index[mine], dtype=np.int64),
     )
+
+
+def _latest_partner(g: _Graph, unit: int, t: int):
+    """(post ns, rank) of the partner of ``unit`` that posted last at or before ``t`` (of a
+    tie the first in partner order), None when none had: its latest p2p peer, against the
+    latest other member of each of its collectives."""
+    p = bisect_right(g.wait_t, t, g.wait_at[unit], g.wait_at[unit + 1]) - 1
+    found = p >= g.wait_at[unit]
+    if g.ref_at[unit] == g.ref_at[unit + 1]:  # no large collective: the list has every partner
+        return (g.wait_t[p], g.wait_rank[p]) if found else None
+    best = (g.wait_t[p], g.wait_key[p], g.wait_rank[p]) if found else None
+    for r in range(g.ref_at[unit], g.ref_at[unit + 1]):
+        lo, hi = g.inst_at[g.ref_inst[r]], g.inst_at[g.ref_inst[r] + 1]
+        q = bisect_right(g.inst_t, t, lo, hi) - 1
+        while q >= lo and g.inst_rank[q] == g.ref_rank[r]:  # its own rank's rows are no partners
+            q -= 1
+        if q < lo:
+            continue
+        key = (*g.ref_key[r], g.inst_pos[q])
+        if best is None or g.inst_t[q] > best[0] or (g.inst_t[q] == best[0] and key < best[1]):
+            best = (g.inst_t[q], key, g.inst_rank[q])
+    return None if best is None else (best[0], best[2])
 
 
 def step_bounds(run) -> list[dict]:

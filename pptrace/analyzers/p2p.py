@@ -13,7 +13,7 @@ import pandas as pd
 
 from ..timeline import exchanges
 from ..run import match
-from ..timeline.intervals import union
+from ..timeline.intervals import Axes, merged_by_group, union_by_group
 from ..run.model import Run
 
 
@@ -49,9 +49,9 @@ def peer_not_loaded(unmatched: pd.DataFrame, requested) -> np.ndarray:
 def unsplit_by_rank(unmatched: pd.DataFrame, mask: np.ndarray) -> dict:
     """rank -> Intervals of its unmatched ranges under ``mask`` (:func:`peer_not_loaded`)."""
     sel = unmatched[mask]
-    rank = sel["rank"].to_numpy(np.int64)
-    start, end = sel["start_ns"].to_numpy(np.int64), sel["end_ns"].to_numpy(np.int64)
-    return {int(r): union(start[rank == r], end[rank == r]) for r in np.unique(rank)}
+    ranks, code = np.unique(sel["rank"].to_numpy(np.int64), return_inverse=True)
+    sets = union_by_group(len(ranks), code, sel["start_ns"].to_numpy(np.int64), sel["end_ns"].to_numpy(np.int64))
+    return dict(zip(ranks.tolist(), sets))
 
 
 def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = False,
@@ -76,13 +76,15 @@ def split_by_rank(pairs: pd.DataFrame, unmatched: pd.DataFrame, kernels: bool = 
     b = np.clip(move1, start, end)
     if unsplit is not None and len(unsplit):
         b = np.where(np.concatenate([np.zeros(2 * len(pairs), bool), unsplit]), a, b)  # never moving
-    out = {}
-    for r in np.unique(rank):
-        mine = rank == r
-        moving = mine & (b > a)
-        transfer = union(a[moving], b[moving])
-        out[int(r)] = (union(start[mine], end[mine]) - transfer, transfer)
-    return out
+    if not len(rank):
+        return {}
+    # every rank's ranges on an axis of its own: one union and one subtraction for all ranks
+    ranks, code = np.unique(rank, return_inverse=True)
+    moving = b > a
+    axes = Axes.over(len(ranks), int(start.min()), int(end.max()))
+    whole = axes.place(*merged_by_group(code, start, end))
+    transfer = axes.place(*merged_by_group(code[moving], a[moving], b[moving]))
+    return dict(zip(ranks.tolist(), zip(axes.split(whole - transfer), axes.split(transfer))))
 
 
 #: A message's transfer is timed when at least this share of its window (both sides posted

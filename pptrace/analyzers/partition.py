@@ -5,14 +5,13 @@ compute, <dim>_exposed, pp_transfer, pp_bubble and other — summing exactly to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
 
 from ..timeline.projection import gpu_extent
-from ..timeline.activity import Activity
-from ..timeline.intervals import Intervals, partition, union
-from ..timeline.windows import Window
+from ..timeline.intervals import Axes, Intervals, flat, partition, pieces_in_windows, union_by_group
 from .p2p import MatchedPairs, match_pairs, peer_not_loaded, split_by_rank, unsplit_by_rank
 from ..run.model import Run
 from ..vocab import COMM_DIMS, PARTS
@@ -49,8 +48,8 @@ def untagged_p2p(run: Run) -> dict:
     if sel.empty:
         return {}
     start, end, _ = gpu_extent(ev, sel)
-    ranks = sel["rank"].to_numpy()
-    return {int(r): union(start[ranks == r], end[ranks == r]) for r in np.unique(ranks)}
+    ranks, code = np.unique(sel["rank"].to_numpy(np.int64), return_inverse=True)
+    return dict(zip(ranks.tolist(), union_by_group(len(ranks), code, start, end)))
 
 
 #: breakdown_table's column of a step whose split of pipeline time needs a peer not loaded:
@@ -58,67 +57,132 @@ def untagged_p2p(run: Run) -> dict:
 UNSPLIT = "pp_bubble_or_transfer"
 
 
-def partition_step(act: Activity, step: int, window: Window, pipe: Window | None,
-                   p2p_wait: Intervals, p2p_transfer: Intervals, unsplit: Intervals | None = None) -> StepPartition:
-    start, end = window
-    pipe_iv = Intervals.span(*pipe) if pipe else Intervals.empty()
-    # the rank's whole-run sets cut to this step first: every operation below is then on
-    # one step's intervals
-    compute = act.compute.clip(start, end)
-    comm = {dim: act.comm[dim].clip(start, end) for dim in COMM_DIMS}
-    final = {dim: act.step_final[dim].clip(start, end) for dim in COMM_DIMS}
-    order = [("compute", compute)]
-    for dim in COMM_DIMS:
-        # The step-final collective blocks while other stages still run the pipeline: that is
-        # bubble (contract 3); after the pipeline window it is this dimension's again.
-        order.append((f"{dim}_exposed", comm[dim] | (final[dim] - pipe_iv)))
-    order += [("pp_transfer", p2p_transfer.clip(start, end)), ("pp_bubble", p2p_wait.clip(start, end) | pipe_iv)]
-    parts = partition((start, end), order, rest="other")
-    hidden = {dim: ((comm[dim] | final[dim]) & compute).total for dim in COMM_DIMS}
-    unsplit_ns = (unsplit.clip(start, end) & parts["pp_bubble"]).total if unsplit is not None else 0
-    return StepPartition(act.rank, step, start, end, parts, hidden, unsplit_ns)
+class Partitions:
+    """Every (rank, step) partition of a run at once, as whole arrays: row i is (rank[i],
+    step[i]) over [start_ns[i], end_ns[i]), rows sorted by (rank, step); each part's
+    intervals, every row's together, on the rows' private axes (timeline.intervals.Axes),
+    so that a question about every row is one array operation (:meth:`totals`,
+    :meth:`covered`). Iterating gives one :class:`StepPartition` per row, for notebooks and
+    tests; the analyzers use the arrays."""
+
+    def __init__(self, rank, step, start_ns, end_ns, axes: Axes, parts: dict, hidden: dict, unsplit_ns):
+        self.rank, self.step = np.asarray(rank, np.int64), np.asarray(step, np.int64)
+        self.start_ns, self.end_ns = np.asarray(start_ns, np.int64), np.asarray(end_ns, np.int64)
+        self.axes, self.parts, self.hidden = axes, parts, hidden
+        self.unsplit_ns = np.asarray(unsplit_ns, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    @property
+    def wall_ns(self) -> np.ndarray:
+        return self.end_ns - self.start_ns
+
+    def totals(self, part: str) -> np.ndarray:
+        """Per row, ns of ``part``."""
+        return self.axes.totals(self.parts[part])
+
+    def covered(self, part: str, lo, hi) -> np.ndarray:
+        """Per row, ns of ``part`` inside [lo[i], hi[i]) (aligned clocks)."""
+        return self.axes.covered(self.parts[part], lo, hi)
+
+    def intervals(self, part: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row, starts, ends) of ``part`` on aligned clocks, by row, then time."""
+        return self.axes.unplace(self.parts[part])
+
+    def take(self, rows) -> "Partitions":
+        """The partitions of ``rows`` (a mask over the rows), in their order."""
+        keep = np.asarray(rows, bool)
+        new_row = np.cumsum(keep) - 1
+        axes = Axes(self.axes.lo, self.axes.stride, int(keep.sum()))
+        parts = {}
+        for name, placed in self.parts.items():
+            row = self.axes.rows_of(placed)
+            mine = keep[row]
+            shift = (new_row[row[mine]] - row[mine]) * self.axes.stride
+            parts[name] = Intervals(placed.starts[mine] + shift, placed.ends[mine] + shift)
+        return Partitions(self.rank[keep], self.step[keep], self.start_ns[keep], self.end_ns[keep], axes, parts,
+                          {dim: ns[keep] for dim, ns in self.hidden.items()}, self.unsplit_ns[keep])
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __getitem__(self, i) -> StepPartition:
+        return self._views[i]
+
+    @cached_property
+    def _views(self) -> list[StepPartition]:
+        rows = {name: self.axes.split(placed) for name, placed in self.parts.items()}
+        return [StepPartition(int(self.rank[i]), int(self.step[i]), int(self.start_ns[i]), int(self.end_ns[i]),
+                              {name: sets[i] for name, sets in rows.items()},
+                              {dim: int(ns[i]) for dim, ns in self.hidden.items()}, int(self.unsplit_ns[i]))
+                for i in range(len(self))]
 
 
-def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | None = None) -> list[StepPartition]:
-    """Every (rank, profiled step) partition of the run."""
+def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | None = None) -> Partitions:
+    """Every (rank, profiled step) partition of the run: each rank's whole-run interval sets
+    cut to its steps and swept in priority order, every (rank, step) at once on its own
+    axis (GPU ranks on their GPU timeline: timeline/windows.py says why)."""
     acts = acts if acts is not None else run.activities
     if matched is None:
         matched = match_pairs(run)
     absent = peer_not_loaded(matched.unmatched, run.requested)  # their wait/transfer split is unknown
     split = split_by_rank(*matched, kernels=any(a.gpu for a in acts.values()), unsplit=absent)
-    unsplit = unsplit_by_rank(matched.unmatched, absent)
+    keys = sorted(key for key in run.step_windows if key[0] in acts)
+    rank = np.array([k[0] for k in keys], np.int64)
+    step = np.array([k[1] for k in keys], np.int64)
+    start = np.array([run.step_windows[k][0] for k in keys], np.int64)
+    end = np.array([run.step_windows[k][1] for k in keys], np.int64)
     windows = run.pipeline_windows
-    untagged = untagged_p2p(run)
-    out = []
-    # GPU ranks are partitioned on their GPU timeline (timeline/windows.py says why)
-    for (rank, step), window in sorted(run.step_windows.items()):
-        act = acts.get(rank)
-        if act is None:
-            continue
-        wait, transfer = split.get(rank, (Intervals.empty(), Intervals.empty()))
-        if rank in untagged:
-            transfer = transfer | (untagged[rank] - wait)
-        if act.gpu:
-            transfer = transfer | (act.p2p - wait)
-        out.append(partition_step(act, step, window, windows.get(step), wait, transfer, unsplit.get(rank)))
-    return out
+    pipe = np.array([windows.get(int(s), (0, 0)) for s in step], np.int64).reshape(-1, 2)
+    has_pipe = np.array([int(s) in windows for s in step], bool)
+    n = len(keys)
+    axes = Axes.over(n, int(start.min()) if n else 0, int(end.max()) if n else 0)
+    row = np.arange(n, dtype=np.int64)
+
+    def cut(sets: dict) -> Intervals:
+        """Each rank's whole-run set cut to its steps, placed on their axes."""
+        sets = {r: iv for r, iv in sets.items() if len(iv)}
+        if not sets or not n:
+            return Intervals.empty()
+        win, lo, hi = pieces_in_windows(*flat(sets), rank, start, end)
+        return axes.place(win, lo, hi)
+
+    compute = cut({r: a.compute for r, a in acts.items()})
+    comm = {dim: cut({r: a.comm[dim] for r, a in acts.items()}) for dim in COMM_DIMS}
+    final = {dim: cut({r: a.step_final[dim] for r, a in acts.items()}) for dim in COMM_DIMS}
+    wait = cut({r: w for r, (w, _) in split.items()})
+    transfer = cut({r: t for r, (_, t) in split.items()})
+    # pipeline p2p that cannot pair (no peer tag; NCCL kernels of GPU ranks) counts as moving
+    transfer = transfer | (cut(untagged_p2p(run)) - wait) | (cut({r: a.p2p for r, a in acts.items() if a.gpu}) - wait)
+    pipe_iv = axes.place(row[has_pipe], np.maximum(pipe[has_pipe, 0], start[has_pipe]),
+                         np.minimum(pipe[has_pipe, 1], end[has_pipe]))
+    order = [("compute", compute)]
+    for dim in COMM_DIMS:
+        # The step-final collective blocks while other stages still run the pipeline: that is
+        # bubble (contract 3); after the pipeline window it is this dimension's again.
+        order.append((f"{dim}_exposed", comm[dim] | (final[dim] - pipe_iv)))
+    order += [("pp_transfer", transfer), ("pp_bubble", wait | pipe_iv)]
+    parts = partition(axes.place(row, start, end), order, rest="other")
+    hidden = {dim: axes.totals((comm[dim] | final[dim]) & compute) for dim in COMM_DIMS}
+    unsplit = unsplit_by_rank(matched.unmatched, absent)
+    unsplit_ns = axes.totals(cut(unsplit) & parts["pp_bubble"]) if unsplit else np.zeros(n, np.int64)
+    return Partitions(rank, step, start, end, axes, parts, hidden, unsplit_ns)
 
 
-def breakdown_table(partitions: list[StepPartition]) -> pd.DataFrame:
+def breakdown_table(partitions: Partitions) -> pd.DataFrame:
     """One row per (rank, step): time_s, every part in seconds, UNSPLIT, and hidden_<dim>
     seconds. A step with p2p whose peer is not loaded has pp_bubble and pp_transfer NaN
     (unknown, not zero) and their sum in UNSPLIT (0 elsewhere; the column only where some
     step has one): the parts still add up."""
-    rows = []
-    for p in partitions:
-        row = {"rank": p.rank, "step": p.step, "time_s": p.wall_ns / 1e9}
-        row.update({name: p.parts[name].total / 1e9 for name in PARTS})
-        row[UNSPLIT] = 0.0
-        if p.unsplit_ns:
-            row[UNSPLIT] = row["pp_bubble"] + row["pp_transfer"]
-            row["pp_bubble"] = row["pp_transfer"] = np.nan
-        row.update({f"hidden_{d}": p.hidden[d] / 1e9 for d in COMM_DIMS})
-        rows.append(row)
-    unsplit = [UNSPLIT] if any(p.unsplit_ns for p in partitions) else []  # a --ranks subset's column only
-    columns = ["rank", "step", "time_s", *PARTS, *unsplit, *(f"hidden_{d}" for d in COMM_DIMS)]
-    return pd.DataFrame(rows, columns=columns)
+    table = pd.DataFrame({"rank": partitions.rank, "step": partitions.step, "time_s": partitions.wall_ns / 1e9})
+    for name in PARTS:
+        table[name] = partitions.totals(name) / 1e9
+    unknown = partitions.unsplit_ns > 0
+    table[UNSPLIT] = np.where(unknown, table["pp_bubble"] + table["pp_transfer"], 0.0)
+    table.loc[unknown, ["pp_bubble", "pp_transfer"]] = np.nan
+    for dim in COMM_DIMS:
+        table[f"hidden_{dim}"] = partitions.hidden[dim] / 1e9
+    if not unknown.any():  # a --ranks subset's column only
+        table = table.drop(columns=UNSPLIT)
+    return table

@@ -95,9 +95,9 @@ def _persistent(values: pd.DataFrame, floor: np.ndarray, metric: str) -> pd.Data
     return out
 
 
-def _compute_rows(partitions: list, step_s: float) -> pd.DataFrame:
-    table = pd.DataFrame([(p.rank, p.step, p.parts["compute"].total / 1e9) for p in partitions],
-                         columns=["rank", "step", "compute_s"])
+def _compute_rows(partitions, step_s: float) -> pd.DataFrame:
+    table = pd.DataFrame({"rank": partitions.rank, "step": partitions.step,
+                          "compute_s": partitions.totals("compute") / 1e9})
     values = table.pivot_table(index="rank", columns="step", values="compute_s", aggfunc="sum")
     if len(values) < 2:
         return pd.DataFrame()
@@ -129,14 +129,14 @@ def _caused_waits(pairs: pd.DataFrame | None, n_steps: int) -> dict:
     return {int(r): float(v) for r, v in caused.items()}
 
 
-def find_stragglers(partitions: list, pairs: pd.DataFrame | None, inst: pd.DataFrame | None) -> pd.DataFrame:
+def find_stragglers(partitions, pairs: pd.DataFrame | None, inst: pd.DataFrame | None) -> pd.DataFrame:
     """Rows {rank, metric, slowdown, cost_s, peers_wait_s, steps_late, steps, spread_s,
     evidence}, the most costly first (the culprit); none when no rank is persistently late."""
-    if not partitions:
+    if not len(partitions):
         return pd.DataFrame(columns=list(COLUMNS))
-    ranks = pd.Index(sorted({p.rank for p in partitions}), dtype=np.int64)
-    steps = pd.Index(sorted({p.step for p in partitions}), dtype=np.int64)
-    step_s = float(np.mean([p.wall_ns for p in partitions])) / 1e9
+    ranks = pd.Index(np.unique(partitions.rank), dtype=np.int64)
+    steps = pd.Index(np.unique(partitions.step), dtype=np.int64)
+    step_s = float(np.mean(partitions.wall_ns)) / 1e9
     found = [f for f in (_compute_rows(partitions, step_s), _arrival_rows(inst, ranks, steps, step_s)) if len(f)]
     if not found:
         return pd.DataFrame(columns=list(COLUMNS))

@@ -13,12 +13,18 @@ rejects (invalid UTF-8, NaN, an odd value) is parsed by orjson/json into dicts i
 give the same table. The header (top-level metadata) is read without the events
 (:func:`read_header`), from the cache where an entry is valid.
 
-One module though just past 500 lines: reading the bytes, locating the events, slicing,
-decoding, and salvaging a damaged document (too deep, not UTF-8, cut short) are one job on
-one buffer, whose offsets every part shares.
+The loader slices a trace while it reads and inflates it (:class:`StreamedTrace`: a few MB of
+the document in memory, never all of it), by the same cut rule as the whole buffer
+(:func:`_cuts`), hence the same slices and table; what that cannot read (a damaged gzip, a
+BOM, an array that does not end, a cut inside an event) is read whole as before.
+
+One module though past 500 lines: reading the bytes, locating the events, slicing (whole or
+streamed), decoding, and salvaging a damaged document (too deep, not UTF-8, cut short) are
+one job on one buffer, whose offsets every part shares.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -31,7 +37,7 @@ import numpy as np
 import orjson
 
 from ..errors import TraceError
-from .files import GZIP_MAGIC, TruncatedGzip, gunzip, inflated_pieces, open_trace, size_limit
+from .files import GZIP_MAGIC, RawPieces, TruncatedGzip, gunzip, inflated_pieces, open_trace, size_limit
 from .schema import RawEvent
 from .store import lookup, probe_of
 
@@ -221,19 +227,47 @@ def _locate_events(data: bytes) -> _Located | None:
     return _Located(data[:start] + b"[]}", start + 1, None)  # truncated: no closing bracket found
 
 
+def _separator(data: bytes, start: int, stop: int) -> bytes | None:
+    """The separator between the events of the array that opens at ``start``: the first of
+    _SEPARATORS found before ``stop`` (a slice further on, or the array's end)."""
+    return next((s for s in _SEPARATORS if data.find(s, start, stop) >= 0), None)
+
+
+def _cuts(buf: bytes, base: int, sep: bytes, pos: int, end: int | None = None):
+    """(cut, where the next cut is searched from) for each cut from ``pos`` on, positions in
+    the document of which ``buf`` holds the bytes from ``base`` up to ``end`` (None: to its
+    own end): the first ``sep`` at or after ``pos``, cut just after its event's closing
+    brace, the next one searched a slice further on. One rule for a whole buffer
+    (:func:`_cut_points`) and for a streamed one (:class:`StreamedTrace`), so both slice a
+    trace the same way."""
+    close = sep.index(b"}") + 1
+    stop = len(buf) if end is None else end - base
+    while pos - base < stop:
+        hit = buf.find(sep, pos - base, stop)
+        if hit < 0:
+            return
+        pos = base + hit + _CHUNK_BYTES
+        yield base + hit + close, pos
+
+
 def _cut_points(data: bytes, start: int, end: int) -> list[int]:
-    sep = next((s for s in _SEPARATORS if data.find(s, start, min(end, start + _CHUNK_BYTES)) >= 0), None)
+    sep = _separator(data, start, min(end, start + _CHUNK_BYTES))
     cuts = [start]
     if sep is not None:
-        pos = start + _CHUNK_BYTES
-        while pos < end:
-            hit = data.find(sep, pos, end)
-            if hit < 0:
-                break
-            cuts.append(hit + sep.index(b"}") + 1)  # just after the closing brace of an event
-            pos = hit + _CHUNK_BYTES
+        cuts += [cut for cut, _ in _cuts(data, 0, sep, start + _CHUNK_BYTES, end)]
     cuts.append(end)
     return cuts
+
+
+def _slice(decoder, data: bytes, a: int, b: int, path: Path, warnings: list):
+    """(events, slice bytes) of the events in data[a:b], around them separators and blanks."""
+    while a < b and data[a] in _SLICE_JUNK:
+        a += 1
+    while b > a and data[b - 1] in _SLICE_JUNK:
+        b -= 1
+    with memoryview(data) as buffer:
+        blob = b"".join((b"[", buffer[a:b], b"]"))  # one copy, not three
+    return _decode_slice(decoder, blob, path, warnings), blob
 
 
 def _decode_slice(decoder, blob: bytes, path: Path, warnings: list) -> list:
@@ -257,14 +291,8 @@ def _parse_slices(data: bytes, start: int, end: int, path: Path, warnings: list,
     :class:`~pptrace.ingest.schema.RawEvent` (``typed``) or of dicts."""
     decoder = msgspec.json.Decoder(list[RawEvent]) if typed else None
     cuts = _cut_points(data, start, end)
-    buffer = memoryview(data)
     for a, b in zip(cuts[:-1], cuts[1:]):
-        while a < b and data[a] in _SLICE_JUNK:
-            a += 1
-        while b > a and data[b - 1] in _SLICE_JUNK:
-            b -= 1
-        blob = b"".join((b"[", buffer[a:b], b"]"))  # one copy, not three
-        yield _decode_slice(decoder, blob, path, warnings), blob
+        yield _slice(decoder, data, a, b, path, warnings)
 
 
 #: What the warning of a salvaged trace says (load.py skips a rank the cut left without a
@@ -352,6 +380,127 @@ def parse_document(path, data: bytes | None = None, whole: bool = False, typed: 
     return doc, [(events, None)], warnings
 
 
+class Unstreamable(Exception):
+    """A trace :class:`StreamedTrace` leaves to the whole-buffer path (:func:`read_trace`,
+    :func:`parse_document`), which knows every repair: no events array near the top, a BOM, a
+    damaged or truncated gzip, an array without its end, a header that does not parse."""
+
+
+#: The events array must open within this many bytes for the trace to be streamed.
+_STREAM_HEAD_BYTES = 4 << 20
+
+
+class StreamedTrace:
+    """The slices of :func:`parse_document` (the same cuts, hence the same table) read while the
+    file is read and inflated a piece at a time: a parse holds a few MB of the document, never
+    all of it. Iterate once, in full; then ``header`` (as parse_document gives it; Kineto writes
+    baseTimeNanoseconds and traceName after the events, so it is known only at the end),
+    ``head_warnings`` (the header's, which come before the slices' ``warnings``), ``opened``
+    (the file's stat) and ``probe`` (its cache probe, None if it changed while read).
+    Raises :class:`Unstreamable` for what only the whole buffer repairs, TraceError past the
+    size limits, orjson.JSONDecodeError for a slice that does not parse (see load_rank)."""
+
+    def __init__(self, path, typed: bool = True):
+        self.path, self.typed = Path(path), typed
+        # opened now: what is read is this file, whatever replaces it meanwhile (load.unchanged says so)
+        self._fh, self.opened = open_trace(self.path)
+        self.header, self.probe = None, None
+        self.warnings: list = []
+        self.head_warnings: list = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._fh.close()
+
+    def __iter__(self):
+        yield from self._slices(self._pieces(self._fh, self.opened))
+
+    def _pieces(self, fh, st):
+        """The document's bytes a piece at a time, within the limits read_trace applies."""
+        limit, too_big = size_limit(self.path)
+        if st.st_size > limit:
+            raise TraceError(too_big)
+        raw = RawPieces(fh, st.st_size + 1)  # + 1: one that grew meanwhile is not probed
+        pieces = iter(raw)
+        try:
+            first = next(pieces, b"")
+            if first[:2] == GZIP_MAGIC:
+                yield from inflated_pieces(itertools.chain((first,), pieces), self.path, st.st_size)
+            else:
+                for piece in itertools.chain((first,), pieces):
+                    if raw.total > limit:  # grown past the limit since its size was read
+                        raise TraceError(too_big)
+                    yield piece
+        except (OSError, EOFError, zlib.error) as exc:
+            raise Unstreamable(str(exc)) from None
+        self.probe = probe_of(raw.ends()) if raw.total == st.st_size else None
+
+    def _slices(self, pieces):
+        path, warnings = self.path, self.warnings
+        decoder = msgspec.json.Decoder(list[RawEvent]) if self.typed else None
+        buf, bracket = b"", -1
+        for piece in pieces:  # to the events array's opening bracket
+            buf += piece
+            bracket = _array_opening(buf)
+            if bracket >= 0 or len(buf) > _STREAM_HEAD_BYTES:
+                break
+        if bracket < 0:
+            raise Unstreamable("no events array near the top")
+        prefix, start = buf[:bracket + 1], bracket + 1
+        base, prev = 0, start  # buf holds the document from base on; prev: the last cut
+        sep = pos = None
+        for piece in itertools.chain((b"",), pieces):
+            if piece:
+                buf, base = buf[prev - base:] + piece, prev
+            if sep is None and base + len(buf) >= start + _CHUNK_BYTES:
+                sep, pos = _separator(buf, start - base, start + _CHUNK_BYTES - base), start + _CHUNK_BYTES
+                if sep is None:  # one slice: nothing to gain from streaming
+                    raise Unstreamable("no separator between the events")
+            if sep is not None:
+                for cut, pos in _cuts(buf, base, sep, pos):
+                    yield _slice(decoder, buf, prev - base, cut - base, path, warnings)
+                    prev = cut
+        # the end: the last slices, up to the array's closing bracket, found as parse_document finds it
+        buf = buf[prev - base:]
+        base = prev
+        located = _locate_events(prefix + buf)
+        if located is None or located.start != start or located.end is None:
+            raise Unstreamable("the events array does not end (truncated?)")
+        end = base + located.end - len(prefix)
+        try:
+            header = _loads(located.head, path, self.head_warnings)
+        except orjson.JSONDecodeError:
+            header = None
+        if not isinstance(header, dict):
+            raise Unstreamable("the metadata around the events does not parse")
+        self.header = header
+        if sep is None:
+            sep, pos = _separator(buf, start - base, min(end, start + _CHUNK_BYTES) - base), start + _CHUNK_BYTES
+        for cut, pos in _cuts(buf, base, sep, pos, end) if sep is not None else ():
+            yield _slice(decoder, buf, prev - base, cut - base, path, warnings)
+            prev = cut
+        yield _slice(decoder, buf, prev - base, end - base, path, warnings)
+
+
+def _array_opening(head: bytes) -> int:
+    """Where _locate_events will find the events array's '[' in a document that begins with
+    ``head``: -1 while ``head`` does not tell; raises Unstreamable where it finds no array."""
+    if head[:len(_BOM)] == _BOM[:len(head)]:
+        if len(head) >= len(_BOM):
+            raise Unstreamable("a byte order mark")
+        return -1
+    key = head.find(_EVENTS_KEY)
+    if key < 0:
+        return -1
+    bracket = head.find(b"[", key + len(_EVENTS_KEY))
+    between = head[key + len(_EVENTS_KEY):bracket if bracket >= 0 else len(head)]
+    if between.strip(b" \t\r\n:"):
+        raise Unstreamable("no events array after traceEvents")
+    return bracket
+
+
 def normalize_header(header: dict, path: Path) -> dict:
     block = header.get("pptrace")
     if isinstance(block, str):  # add_metadata_json may leave the value as a string
@@ -429,7 +578,7 @@ def _head_alone(head: bytes, enough: tuple) -> bytes | None:
     return alone if isinstance(found, dict) and any(found.get(k) is not None for k in enough) else None
 
 
-def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
+def read_header(path, *, cached: bool = False, enough: tuple = (), entries=None) -> dict:
     """The top-level metadata of a trace (distributedInfo, pptrace block, baseTimeNanoseconds,
     ...) wherever it sits, before or after ``traceEvents``, without building the events
     table. The one reader of headers: :func:`load_rank` gets its header from the same
@@ -440,9 +589,10 @@ def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
     the events); when the metadata before the events has one of them, the rest of the
     header (Kineto's baseTimeNanoseconds, traceName, after the events) is not read, and a
     key of ``enough`` that a rewritten file moved after the events is missed: the caller
-    gets it from the load's full header (run.load_run)."""
+    gets it from the load's full header (run.load_run). ``entries``: the cache as the caller's
+    load sees it (store.Entries), for many headers in a row."""
     path = Path(path)
-    header = _cached_header(path) if cached else None
+    header = _cached_header(path, entries) if cached else None
     if header is not None:
         return _checked(header, path)
     try:
@@ -461,8 +611,8 @@ def read_header(path, *, cached: bool = False, enough: tuple = ()) -> dict:
     return _checked(normalize_header(header, path), path)
 
 
-def _cached_header(path: Path) -> dict | None:
-    found = lookup(path)
+def _cached_header(path: Path, entries=None) -> dict | None:
+    found = entries.lookup(path) if entries is not None else lookup(path)
     header = found[1].get("header") if found is not None else None
     return header if isinstance(header, dict) else None
 

@@ -123,9 +123,10 @@ def trace_size(path) -> int:
 #: Environment variables that raise the limits of :func:`inflate_limit`.
 MAX_BYTES_ENV = "PPTRACE_MAX_TRACE_BYTES"
 MAX_RATIO_ENV = "PPTRACE_MAX_INFLATE_RATIO"
-#: Parsing takes ~1.7x a trace's inflated bytes in one process (load._WORKER_BYTES_PER_TRACE_BYTE)
-#: beside the run's other tables: past a quarter of the machine's memory a trace cannot be
-#: analysed, only swapped or killed for.
+#: Parsing a trace streamed takes ~1.1x its inflated bytes in one process
+#: (load._WORKER_BYTES_PER_TRACE_BYTE), one the stream leaves to the whole buffer ~2x, beside the
+#: run's other tables: past a quarter of the machine's memory a trace cannot be analysed, only
+#: swapped or killed for.
 _MEMORY_SHARE = 4
 _UNKNOWN_MEMORY = 16 << 30
 #: Real traces inflate 8-23x (tests/data/hta-gpu), the most repetitive synthetic ones ~60x;
@@ -227,6 +228,34 @@ def inflated_pieces(pieces, path, compressed: int):
                 break
     if inflater is not None or carried:
         raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+
+
+class RawPieces:
+    """The bytes of the opened file ``fh``, _IN_PIECE at a time (iterate once), no more than
+    ``most`` of them, keeping its first and last _IN_PIECE for the cache probe: what
+    :func:`~pptrace.ingest.store.probe_of` reads of a whole file, without holding the file."""
+
+    def __init__(self, fh, most: int):
+        self._fh, self._most = fh, most
+        self.total, self.head, self._last = 0, b"", [b"", b""]
+
+    def __iter__(self):
+        while self.total < self._most:
+            piece = self._fh.read(min(_IN_PIECE, self._most - self.total))
+            if not piece:
+                return
+            if not self.total:
+                self.head = piece
+            self.total += len(piece)
+            self._last = [self._last[1], piece]
+            yield piece
+
+    def ends(self) -> bytes:
+        """The first _IN_PIECE bytes read and the last ones after them: a shorter stand-in of
+        the same probe (store.probe_of reads no more than 64 KB of each end)."""
+        window = b"".join(self._last) if self.total > _IN_PIECE else b""
+        tail_from = max(_IN_PIECE, self.total - _IN_PIECE) - (self.total - len(window))
+        return self.head[:_IN_PIECE] + window[tail_from:]
 
 
 class TruncatedGzip(EOFError):

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from .compact import foldable_names, nested_cpu_ops
+from .memory import release
 from .extract import complete_events, dur_to_ns, duration_events, extract_dicts, extract_structs, ts_to_ns
 from .nccl import infer_nccl_p2p, link_nccl_kernels
 from .p2p_args import add_p2p_args
@@ -162,13 +163,15 @@ def _with_complete_events(slices, path, warnings: list, complete_counts: list):
             yield complete, None
 
 
-def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: bool = True):
+def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: bool = True, place=None):
     """Parsed event slices -> (DataFrame with COLUMNS, info dict). One pass per slice, so
     only one slice's Python objects are alive at a time: each slice becomes numpy arrays
     (category codes, int64, nullable parts) before the next is parsed. A slice is a list of
     event dicts (orjson / json) or of :class:`RawEvent` (typed decoding); both give the same
     table. ``compact``: nested plain CPU ops folded (compact.py), before the table is
-    sorted, so that the full table is never copied."""
+    sorted, so that the full table is never copied. ``place``: called once every slice is
+    read, -> (rank, base_ns) in place of those given (a streamed trace's header, which holds
+    them, is read last: document.StreamedTrace)."""
     parts: dict = {k: [] for k in ("pid", "tid", "name", "cat", "start", "dur", "why", *_ARG_INTS)}
     names, cats = _Codes(bad=""), _Codes(bad=None)
     rpc, threads, p2p = {}, {}, {}
@@ -200,6 +203,9 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
     if foreign > 8:  # Kineto's own span events have string pids; more means a strange file
         warnings.append(f"{path}: skipped {foreign} events without numeric pid/tid")
     n = n_before
+    if place is not None:
+        rank, base_ns = place()
+    release()  # the slices' objects, freed among the columns' pieces, back to the OS before the table's peak
     start = _join(parts.pop("start"), np.int64) + base_ns
     dur = _join(parts.pop("dur"), np.int64)
     why = _join(parts.pop("why"), np.int8)

@@ -1,8 +1,8 @@
 """Per-rank trace files -> per-rank tables, in child processes (or on Dask), cached.
 
-Each rank is parsed (document.py: its JSON in slices; frame.py: the slices into the
-normalized columns of schema.py) in one of as many child processes as fit in memory (see
-_worker_count), and kept compressed (its cache entry, store.py, or Arrow IPC bytes) until
+Each rank is parsed (document.py: its JSON in slices, cut as the file is read and inflated;
+frame.py: the slices into the normalized columns of schema.py) in one of as many child
+processes as there are CPUs and memory allows (see _worker_plan), and kept compressed (its cache entry, store.py, or Arrow IPC bytes) until
 the run's frame is assembled once (:func:`assemble`).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..progress import LOAD, phase
 from . import memory, store as cache
 from .cluster import LOCAL, describe, map_jobs
 from .columnar import StoredTable, frame_from_tables, to_arrow
-from .document import base_time, normalize_header, read_trace, parse_document, rank_of
+from .document import StreamedTrace, Unstreamable, base_time, normalize_header, parse_document, rank_of, read_trace
 from .files import unchanged, trace_size
 from .frame import build_frame
 
@@ -43,24 +43,13 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
     """load_rank, plus the cache key of the bytes parsed: None when the file changed while
     it was read, so that no entry ever holds one version's table under another's key."""
     path = Path(path)
-    data, opened, probe = read_trace(path)
-    header, slices, warnings = parse_document(path, data, typed=typed)
-    header = normalize_header(header, path)
-    base, bad_base = base_time(header)
-    if bad_base:
-        warnings.append(f"{path}: {bad_base}; this rank's clock is placed from its events (aligned on its "
-                        "collectives and p2p with the other ranks)")
-    rank = rank if rank is not None else rank_of(header, path)
-    del data  # the slices hold the bytes until the last one is parsed, not beyond
     try:
-        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings, compact=compact)
-    except orjson.JSONDecodeError:
-        # A cut landed inside an event (an unusual layout): parse the whole document, read
-        # again (a change meanwhile leaves the entry uncached: unchanged below).
-        header, slices, warnings = parse_document(path, read_trace(path)[0], whole=True)
-        header = normalize_header(header, path)
-        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings, compact=compact)
-    del slices
+        header, frame, info, warnings, (opened, probe, base, bad_base, rank) = _parse_streamed(
+            path, rank, typed, compact)
+    except (Unstreamable, orjson.JSONDecodeError):
+        # what the stream leaves (damaged, odd layouts): the whole document, read again
+        header, frame, info, warnings, (opened, probe, base, bad_base, rank) = _parse_whole(
+            path, rank, typed, compact)
     if rank is None:
         rank = rank_of(header, path)
     if rank is None:
@@ -91,18 +80,71 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
     return frame, meta, None
 
 
+def _bad_base_line(path, bad_base: str) -> str:
+    return (f"{path}: {bad_base}; this rank's clock is placed from its events (aligned on its collectives and "
+            "p2p with the other ranks)")
+
+
+def _parse_streamed(path: Path, rank, typed: bool, compact: bool):
+    """The rank's table from its trace read a piece at a time (document.StreamedTrace): its
+    header, hence its rank and clock base, is known only once every slice is read."""
+    found = {"rank": rank}
+    with StreamedTrace(path, typed=typed) as stream:
+        warnings = stream.warnings
+
+        def place():
+            header = normalize_header(stream.header, path)
+            base, bad_base = base_time(header)
+            # where the whole-buffer path says them: before the slices'
+            warnings[:0] = stream.head_warnings + ([_bad_base_line(path, bad_base)] if bad_base else [])
+            found.update(header=header, base=base, bad_base=bad_base)
+            if rank is None:
+                found["rank"] = rank_of(header, path)
+            return (0 if found["rank"] is None else found["rank"]), base
+
+        frame, info = build_frame(stream, 0 if rank is None else rank, 0, path, warnings, compact=compact,
+                                  place=place)
+    return (found["header"], frame, info, warnings,
+            (stream.opened, stream.probe, found["base"], found["bad_base"], found["rank"]))
+
+
+def _parse_whole(path: Path, rank, typed: bool, compact: bool):
+    """The rank's table from its whole document in memory: the path that repairs damaged
+    traces (truncated, odd layouts, a cut inside an event: the whole document parsed at once)."""
+    data, opened, probe = read_trace(path)
+    header, slices, warnings = parse_document(path, data, typed=typed)
+    header = normalize_header(header, path)
+    base, bad_base = base_time(header)
+    if bad_base:
+        warnings.append(_bad_base_line(path, bad_base))
+    rank = rank if rank is not None else rank_of(header, path)
+    del data  # the slices hold the bytes until the last one is parsed, not beyond
+    try:
+        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings, compact=compact)
+    except orjson.JSONDecodeError:
+        # A cut landed inside an event (an unusual layout): parse the whole document, read
+        # again (a change meanwhile leaves the entry uncached: unchanged below).
+        header, slices, warnings = parse_document(path, read_trace(path)[0], whole=True)
+        header = normalize_header(header, path)
+        frame, info = build_frame(slices, 0 if rank is None else rank, base, path, warnings, compact=compact)
+    del slices
+    return header, frame, info, warnings, (opened, probe, base, bad_base, rank)
+
+
 # -------------------------------------------------------------------------------------------
 # many ranks: parallel, cached
 # -------------------------------------------------------------------------------------------
 # Below this much trace data a process pool costs more (fork, pickling) than it saves.
 _POOL_MIN_BYTES = 8 << 20
-#: While it parses, a worker holds the trace's decompressed bytes, one slice's objects and
-#: the rank's table before folding: at most this many times the (decompressed) trace, on
-#: top of what it shares with the parent (measured on bench_analyze's 8-rank trainer run).
-_WORKER_BYTES_PER_TRACE_BYTE = 1.7
+#: What one more worker adds to the command's memory while it parses (the trace read in pieces,
+#: one slice's objects, the rank's table before folding, the heap it dirties of the parent's),
+#: per byte of the largest (decompressed) trace: the slope of the tree's peak PSS over 1, 2 and
+#: 3 workers on bench_analyze's 8-rank trainer run (+73 MB a worker for 65 MB traces).
+_WORKER_BYTES_PER_TRACE_BYTE = 1.1
 #: What the analysis adds to the parent once the run's table is assembled, per byte of
-#: (decompressed) trace: the compact table and the analyses' working arrays (same run).
-_ANALYSIS_BYTES_PER_TRACE_BYTE = 0.25
+#: (decompressed) trace: the compact table and the analyses' working arrays (same run: its
+#: cached analysis peaks ~150 MB above the parent as it parses, for 515 MB of traces).
+_ANALYSIS_BYTES_PER_TRACE_BYTE = 0.3
 
 
 def _parse_job(path: str, rank: int | None, use_cache: bool, compact: bool = True):
@@ -132,26 +174,46 @@ def _parse_job(path: str, rank: int | None, use_cache: bool, compact: bool = Tru
 
 
 def _worker_count(workers: int | None, sizes: list) -> int:
-    """Child processes for parsing traces of ``sizes`` (decompressed bytes each); 0: parse
-    in this process, for less than _POOL_MIN_BYTES of traces. Otherwise at least one: the
-    heap a parse fragments then goes with the child, and the parent enters the analysis
-    with only the tables (its peak is that of a cached run); where processes are spawned,
-    not forked, one child is not worth it (0). Explicit ``workers`` is obeyed; by default
-    workers are added while their parses together take no more memory than the analysis
-    will (so the parse phase never sets the peak) and CPUs are free."""
+    """:func:`_worker_plan`'s number of child processes."""
+    return _worker_plan(workers, sizes)[0]
+
+
+def _worker_plan(workers: int | None, sizes: list) -> tuple[int, str]:
+    """(child processes for parsing traces of ``sizes`` (decompressed bytes each), why: said
+    after the progress count). 0: parse in this process, for less than _POOL_MIN_BYTES of
+    traces. Otherwise at least one: the heap a parse fragments then goes with the child, and
+    the parent enters the analysis with only the tables (its peak is that of a cached run);
+    where processes are spawned, not forked, one child is not worth it (0). Explicit
+    ``workers`` is obeyed; by default one worker per CPU this process may run on, while their
+    parses together take no more memory than the analysis will (so the parse phase never sets
+    the peak), and no more workers than traces."""
     total = sum(sizes)
     if not sizes or total < _POOL_MIN_BYTES:
-        return 0
+        return 0, ""
     if workers is not None:
-        return max(1, min(int(workers), len(sizes)))
+        n = max(1, min(int(workers), len(sizes)))
+        return n, f"{_workers(n)}: as asked"
+    cpus = _cpus()
     per_worker = _WORKER_BYTES_PER_TRACE_BYTE * max(sizes)
-    fits = int(_ANALYSIS_BYTES_PER_TRACE_BYTE * total // per_worker) if per_worker else 1
-    n = max(1, min(os.cpu_count() or 1, len(sizes), fits))
+    fits = max(1, int(_ANALYSIS_BYTES_PER_TRACE_BYTE * total // per_worker))
+    n = min(cpus, len(sizes), fits)
     if n == 1 and _start_method() != "fork":
         # a spawned child imports pandas again (~0.3 s) and re-runs a script's unguarded
         # top level: one child is worth it only where it is forked
-        return 0
-    return n
+        return 0, ""
+    return n, f"{_workers(n)}: {cpus} CPU{'s' * (cpus > 1)}, memory allows {fits}"
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' * (n > 1)}"
+
+
+def _cpus() -> int:
+    """CPUs this process may run on (its affinity, which a container or taskset narrows)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on macOS and Windows
+        return max(1, os.cpu_count() or 1)
 
 
 def _start_method() -> str:
@@ -160,13 +222,14 @@ def _start_method() -> str:
 
 
 def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, progress=None,
-               compact: bool = True, scheduler: str | None = None):
+               compact: bool = True, scheduler: str | None = None, entries=None):
     """Load many traces -> (list of (StoredTable, meta) in job order, errors).
 
     ``jobs`` is a list of (path, rank or None). Valid cache entries are only looked up
-    (their footer); the rest are parsed in ``workers`` child processes (default: as many as
-    memory allows, see _worker_count; none for a few MB of traces), one trace at a time per
-    process. Each rank's table stays compact (its cache entry, or compressed Arrow bytes) until
+    (their footer; ``entries``: the store.Entries the caller looked the headers up with, so
+    that each entry is looked up once); the rest are parsed in ``workers`` child processes
+    (default: one per CPU as memory allows, see _worker_plan; none for a few MB of traces),
+    one trace at a time per process. Each rank's table stays compact (its cache entry, or compressed Arrow bytes) until
     :func:`pptrace.ingest.columnar.frame_from_tables` assembles the run's frame once.
     ``errors`` lists one line per file that could not be loaded (its slot is None).
 
@@ -179,12 +242,13 @@ def load_ranks(jobs, *, use_cache: bool = True, workers: int | None = None, prog
     errors: list[str] = []
     todo = []
     use_cache = use_cache and compact  # the cache holds compact tables only
+    entries = (entries or cache.Entries()) if use_cache else None
     if use_cache:
-        for directory in {cache.cache_path(path).parent for path, _ in jobs}:
+        for directory in {entries.path(path).parent for path, _ in jobs}:
             cache.remove_stale_tmp(directory)
     forged: list = []
     for i, (path, rank) in enumerate(jobs):
-        hit = cache.lookup(path, forged) if use_cache else None
+        hit = entries.lookup(path, forged) if use_cache else None
         if hit is not None:
             results[i] = hit
         else:
@@ -223,9 +287,10 @@ def _parse_todo(jobs, todo, results, errors, use_cache, compact, workers, progre
             workers = min(int(workers or os.cpu_count() or 1), len(todo))
         label = f"{label} on {describe(scheduler, workers)}"
         n_workers = 0
+        note = ""
     else:
-        n_workers = _worker_count(workers, [trace_size(jobs[i][0]) for i in todo])
-    shown = phase(label, total=len(todo), enabled=progress)
+        n_workers, note = _worker_plan(workers, [trace_size(jobs[i][0]) for i in todo])
+    shown = phase(label, total=len(todo), enabled=progress, note=f" ({note})" if note else "")
 
     def collect(i, outcome):
         stored, meta, error = outcome

@@ -13,7 +13,6 @@ what Dask's workers do for the same reason (``distributed.worker_memory``).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 import sys
@@ -31,8 +30,9 @@ def _malloc_trim():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim  # glibc only; musl has none
+        # the C library this process already has (dlopen(NULL)): find_library would run
+        # ldconfig in a subprocess, in every worker that trims
+        return ctypes.CDLL(None).malloc_trim  # glibc only; musl has none
     except (OSError, AttributeError):
         return None
 

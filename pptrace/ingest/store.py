@@ -1,8 +1,9 @@
 """Cache of normalized per-rank tables, so that a second load skips JSON parsing.
 
-Each entry is an Arrow IPC file (zstd-compressed buffers): about half the size of the same
-table in Parquet, written and read back several times faster, and read into memory that is
-given back to the system as soon as the run's frame has taken its columns.
+Each entry is an Arrow IPC file (LZ4-compressed buffers, columnar._codec says why), about the
+size of the trace's .json.gz, written and read back several times faster than Parquet, and
+read into memory that is given back to the system as soon as the run's frame has taken its
+columns.
 
 The cache lives next to the traces (``traces/.pptrace-cache/<file>.arrow``) or, when that
 directory cannot be written, under ``$XDG_CACHE_HOME/pptrace/`` (default ``~/.cache``). User
@@ -107,12 +108,45 @@ def cache_path(trace_path) -> Path:
     ``.pptrace-cache`` is not pptrace's to use (read-only, or a symlink: pptrace never
     follows a cache directory it did not create, nor writes or sweeps where one points)."""
     trace_path = Path(os.path.abspath(trace_path))
-    local = trace_path.parent / CACHE_DIRNAME
+    return cache_dir(trace_path.parent) / f"{trace_path.name}{_SUFFIX}"
+
+
+def cache_dir(traces_dir: Path) -> Path:
+    """The directory of the cache entries of the traces in ``traces_dir`` (absolute)."""
+    local = traces_dir / CACHE_DIRNAME
     if not local.is_symlink() and ((local.is_dir() and _writable(local))
-                                   or (not local.exists() and _writable(trace_path.parent))):
-        return local / f"{trace_path.name}{_SUFFIX}"
-    digest = hashlib.sha1(str(trace_path.parent).encode()).hexdigest()[:16]
-    return user_cache() / digest / f"{trace_path.name}{_SUFFIX}"
+                                   or (not local.exists() and _writable(traces_dir))):
+        return local
+    return user_cache() / hashlib.sha1(str(traces_dir).encode()).hexdigest()[:16]
+
+
+class Entries:
+    """The cache as one load sees it: this user's secret read once, each traces directory's
+    cache directory decided once, and each entry looked up once, though the headers and then
+    the tables ask for it (on a 1,024-rank run those repeats cost ~1.5 s of a cached load)."""
+
+    def __init__(self):
+        self.key = secret()
+        self._dirs: dict = {}
+        self._found: dict = {}  # trace path -> (lookup's answer, the entry if it was forged)
+
+    def path(self, trace_path) -> Path:
+        trace_path = Path(os.path.abspath(trace_path))
+        parent = trace_path.parent
+        if parent not in self._dirs:
+            self._dirs[parent] = cache_dir(parent)
+        return self._dirs[parent] / f"{trace_path.name}{_SUFFIX}"
+
+    def lookup(self, trace_path, forged: list | None = None):
+        """:func:`lookup`, with this view's key and directories, once per trace."""
+        known = str(trace_path)
+        if known not in self._found:
+            bad: list = []
+            self._found[known] = (_lookup(trace_path, self.path(trace_path), self.key, bad), bad)
+        found, bad = self._found[known]
+        if forged is not None:
+            forged += bad
+        return found
 
 
 def user_cache() -> Path:
@@ -190,8 +224,10 @@ def lookup(trace_path, forged: list | None = None):
     again should the entry turn out broken. A broken or stale entry is a miss, replaced by
     the next write; one that names this user's secret but whose digests that secret does not
     give (written by someone else) is also added to ``forged``."""
-    path = cache_path(trace_path)
-    key = secret()
+    return _lookup(trace_path, cache_path(trace_path), secret(), forged)
+
+
+def _lookup(trace_path, path: Path, key: bytes | None, forged: list | None):
     try:
         if key is None or path.is_symlink():  # pptrace makes no links: someone else's, never followed
             return None

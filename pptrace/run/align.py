@@ -468,8 +468,12 @@ def clock_drift_warnings(metas: dict) -> list[str]:
 
 def apply_offsets(events: pd.DataFrame, offsets: pd.DataFrame, inplace: bool = False) -> pd.DataFrame:
     """Shift start_ns/end_ns onto the reference clock; keep raw_start_ns/raw_end_ns."""
-    shift = offsets.set_index("rank")["offset_ns"]
-    per_row = shift.reindex(events["rank"].to_numpy()).fillna(0).to_numpy(np.int64)
+    rank = events["rank"].to_numpy(np.int64)
+    ranks, shift = offsets["rank"].to_numpy(np.int64), offsets["offset_ns"].to_numpy(np.int64)
+    # one lookup table of the ranks' offsets (0 for a rank without one), not a hash per row
+    table = np.zeros(max(int(rank.max(initial=-1)), int(ranks.max(initial=-1))) + 1, np.int64)
+    table[ranks] = shift
+    per_row = table[rank] if len(rank) else np.zeros(0, np.int64)
     out = events.copy(deep=False) if not inplace else events
     raw_start, raw_end = events["start_ns"].to_numpy(np.int64), events["end_ns"].to_numpy(np.int64)
     out["raw_start_ns"] = raw_start

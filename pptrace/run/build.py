@@ -20,6 +20,7 @@ from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
 from ..ingest.document import TRUNCATED, rank_of, read_header
 from ..ingest.files import find_trace_files, group_by_reason
 from ..ingest.load import assemble, load_ranks
+from ..ingest.store import Entries
 from ..topology import Layout
 from .model import Run
 
@@ -28,12 +29,13 @@ from .model import Run
 MAX_RANKS = 1 << 18
 
 
-def _headers(files, warnings, cached: bool = True, enough: tuple = ("pptrace", "distributedInfo")):
+def _headers(files, warnings, cached: bool = True, enough: tuple = ("pptrace", "distributedInfo"), entries=None):
     found, skipped = [], []
+    entries = (entries or Entries()) if cached else None
     for path in files:
         try:
             # what ranks and layout are told by (pptrace's traces have both before the events)
-            header = read_header(path, cached=cached, enough=enough)
+            header = read_header(path, cached=cached, enough=enough, entries=entries)
         except TraceError as exc:
             skipped.append(f"skipped: {exc}")
             continue
@@ -59,7 +61,7 @@ class Headers(NamedTuple):
 
 
 def run_headers(path, warnings: list, *, cached: bool = True, layout: Layout | None = None,
-                enough: tuple = ("pptrace", "distributedInfo")) -> Headers:
+                enough: tuple = ("pptrace", "distributedInfo"), entries=None) -> Headers:
     """The checks of a run directory every command makes before reading events, ``info``'s
     as ``analyze``'s (one set, so that info never describes a run analyze refuses): its trace
     files (symlink loops, FIFOs, pptrace's own outputs skipped with a line, grouped by reason),
@@ -67,7 +69,7 @@ def run_headers(path, warnings: list, *, cached: bool = True, layout: Layout | N
     document.read_header's (the load reads the whole trace later; ``info`` gives () to read
     every header whole, within the size limits the load would meet)."""
     files = find_trace_files(path)
-    by_rank = assign_ranks(_headers(files, warnings, cached=cached, enough=enough), warnings)
+    by_rank = assign_ranks(_headers(files, warnings, cached=cached, enough=enough, entries=entries), warnings)
     first = len(warnings)
     run_layout, said = layout_of(by_rank, layout, warnings)
     return Headers(by_rank, run_layout, said, slice(first, len(warnings)))
@@ -253,10 +255,12 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     path = Path(path)
     kernel_rules = comm_kernels_mod.rules(comm_kernels)
     warnings: list[str] = []
+    entries = Entries() if use_cache and compact else None  # the cache, looked up once per trace
     with phase(HEADERS, enabled=progress):
         # a layout not given by the caller is checked against what the traces show (claims.cross_check);
         # its warnings (guessed) are replaced if the layout is redone
-        by_rank, run_layout, said, guessed = run_headers(path, warnings, cached=use_cache and compact, layout=layout)
+        by_rank, run_layout, said, guessed = run_headers(path, warnings, cached=use_cache and compact, layout=layout,
+                                                         entries=entries)
     wanted, headed = None, by_rank
     if ranks is not None:
         wanted = {int(r) for r in ranks}
@@ -268,7 +272,8 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
             raise TraceError(f"{path}: none of the requested ranks {sorted(wanted)} has a trace")
     order = sorted(by_rank)
     results, errors = load_ranks([(by_rank[r][0], r) for r in order], use_cache=use_cache,
-                                 progress=progress, workers=workers, compact=compact, scheduler=scheduler)
+                                 progress=progress, workers=workers, compact=compact, scheduler=scheduler,
+                                 entries=entries)
     tables, metas = [], {}
     for rank, result in zip(order, results):
         if result is not None and not result[1].get("profiler_steps") and any(

@@ -13,6 +13,7 @@ import pandas as pd
 
 from ..timeline import exchanges
 from ..ingest.nccl import group_members, is_p2p_collective
+from ..timeline.activity import row_codes, str_test
 from ..timeline.projection import gpu_extent
 from ..topology import Layout
 from ..vocab import COMM_DIMS, KIND_GROUP_DIMS, SIZE_TAGS, is_step_end
@@ -46,10 +47,10 @@ def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
     pre = (events["kind"].isin(_P2P_KINDS) & events["peer"].notna() & (events["lane_kind"] == "host")
            & ~events["gpu_annotation"]).to_numpy()
     ev = events[pre]
+    is_send = str_test(ev["op"], lambda s: s.startswith("send_"))
+    keep = is_send | str_test(ev["op"], lambda s: s.startswith("recv_"))
+    ev, send = ev[keep], is_send[keep]
     op = ev["op"].astype(object)
-    is_send = op.str.startswith("send_", na=False).to_numpy()
-    keep = is_send | op.str.startswith("recv_", na=False).to_numpy()
-    ev, op, send = ev[keep], op[keep], is_send[keep]
     rank, peer = ev["rank"].to_numpy(np.int64), _int(ev["peer"])
     start, end, _ = gpu_extent(events, ev)
     out = pd.DataFrame({
@@ -184,7 +185,8 @@ def _instances(calls: pd.DataFrame, source: str) -> pd.DataFrame:
     calls["group_size"] = calls["group"].map(len)
     calls["complete"] = calls["n_present"] == calls["group_size"]
     calls["source"] = source
-    calls["group"] = calls["group"].map(lambda g: ",".join(map(str, g)))
+    codes, uniques = pd.factorize(calls["group"])  # a world's group is 1,024 numbers: joined once
+    calls["group"] = np.array([",".join(map(str, g)) for g in uniques] or [""], dtype=object)[codes]
     return calls[list(INSTANCE_COLUMNS)]
 
 
@@ -203,20 +205,22 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
         & ~events["gpu_annotation"] & (events["op"] != "wait")
     ).to_numpy()
     ev = events[host]
-    op = ev["op"].astype(object)
-    ev = ev[~(op.str.startswith("send_", na=False) | op.str.startswith("recv_", na=False)).to_numpy()]
-    groups = {}
-    group_col = []
-    for kind, tags, rank in zip(ev["kind"].astype(str), ev["tags"].astype(object), ev["rank"]):
-        k = (kind, tags if isinstance(tags, str) else None, int(rank))
-        if k not in groups:
-            groups[k] = group_of(kind, k[1], k[2], layout) if k[2] < layout.world_size else (k[2],)
-        group_col.append(groups[k])
+    ev = ev[~str_test(ev["op"], lambda s: s.startswith(("send_", "recv_")))]
+    # each call's group, once per distinct (kind, tags, rank)
+    kinds, tags, rank_of = (ev["kind"].astype(str).to_numpy(object), ev["tags"].astype(object).to_numpy(),
+                            ev["rank"].to_numpy(np.int64))
+    code = row_codes(kinds, tags, rank_of)
+    firsts = np.unique(code, return_index=True)[1]  # the codes count 0, 1, ... in order of appearance
+    groups = np.empty(len(firsts), dtype=object)
+    for i, (kind, tag, rank) in enumerate(zip(kinds[firsts], tags[firsts], rank_of[firsts].tolist())):
+        tag = tag if isinstance(tag, str) else None
+        groups[i] = group_of(kind, tag, rank, layout) if rank < layout.world_size else (rank,)
+    group_col = groups[code]
     host_calls = pd.DataFrame({
         "rank": ev["rank"].to_numpy(np.int64), "index": ev.index.to_numpy(),
         "kind": ev["kind"].astype(str).to_numpy(), "op": ev["op"].astype(str).to_numpy(),
         "name": _call_names(ev["name"]), "step": ev["step"].to_numpy(np.int64),
-        "group": pd.Series(group_col, dtype=object, index=ev.index).to_numpy(),
+        "group": group_col,
         "arrive_ns": ev["start_ns"].to_numpy(np.int64), "leave_ns": ev["end_ns"].to_numpy(np.int64),
     })
     parts = [_instances(host_calls, "range")]

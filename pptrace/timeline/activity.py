@@ -66,13 +66,13 @@ def _per_value(values, fn, missing, dtype=object) -> np.ndarray:
     return out[codes]
 
 
-def _str_test(values, fn) -> np.ndarray:
+def str_test(values, fn) -> np.ndarray:
     """fn(str(value)) of each row, once per distinct value; False for nulls (as the .str
     methods of pandas answer for them)."""
     return _per_value(values, lambda v: bool(fn(str(v))), False, bool)
 
 
-def _codes(*columns) -> np.ndarray:
+def row_codes(*columns) -> np.ndarray:
     """One int per row, 0, 1, ... in order of first appearance, equal for rows equal in all
     columns (nulls equal each other)."""
     frame = pd.DataFrame({i: c.array if isinstance(c, pd.Series) else c for i, c in enumerate(columns)})
@@ -124,7 +124,7 @@ def _async_spans(rng: pd.DataFrame) -> tuple:
     both = pd.concat([launch, waits], ignore_index=True)
     rest_id: dict = {(): 0}  # equal identity tags, one code
     rest_code = _per_value(both["tags"], lambda t: rest_id.setdefault(_identity_rest(t), len(rest_id)), 0, np.int64)
-    key = _codes(both["group"].to_numpy(), both["kind"].to_numpy(object), *(both[c] for c in _IDENTITY), rest_code)
+    key = row_codes(both["group"].to_numpy(), both["kind"].to_numpy(object), *(both[c] for c in _IDENTITY), rest_code)
     l_key, w_key = key[:len(launch)], key[len(launch):]
     order = np.lexsort((launch["start"].to_numpy(), l_key))
     l_key, l_start = l_key[order], launch["start"].to_numpy()[order]
@@ -161,15 +161,15 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     first in rows on ties). Only rows of groups in ``host`` (no GPU kernels) take part."""
     lane, name = ev["lane"], ev["name"]
     host = host[group]
-    work = np.flatnonzero(host & _str_test(lane, lambda s: re.search("gloo", s, re.IGNORECASE) and s != "main")
-                          & _str_test(name, lambda s: s.startswith("gloo:")))
+    work = np.flatnonzero(host & str_test(lane, lambda s: re.search("gloo", s, re.IGNORECASE) and s != "main")
+                          & str_test(name, lambda s: s.startswith("gloo:")))
     if not len(work):
         return ()
-    enq = np.flatnonzero(host & _str_test(lane, lambda s: s == "main") & _str_test(
+    enq = np.flatnonzero(host & str_test(lane, lambda s: s == "main") & str_test(
         name, lambda s: s.startswith("c10d::") and not re.search("send|recv|barrier", s)))
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
     family = _per_value(name.iloc[np.r_[work, enq]], lambda v: _family(str(v)), None)
-    queue = _codes(np.r_[group[work], group[enq]], family)  # one FIFO queue per rank and family
+    queue = row_codes(np.r_[group[work], group[enq]], family)  # one FIFO queue per rank and family
     w_q, e_q = queue[:len(work)], queue[len(work):]
     order = np.lexsort((work, start[work], w_q))
     work, w_q = work[order], w_q[order]
@@ -250,7 +250,7 @@ def _innermost_compute(rng: pd.DataFrame) -> tuple:
     d: the compute ranges of depth d less every range deeper; so a piece is compute where
     the deepest range over it, compute first on ties, is a compute range."""
     rng = rng[pd.notna(rng["lane"]).to_numpy()]  # no thread, no sweep (as groupby drops it)
-    lane = _codes(rng["group"].to_numpy(), rng["lane"].to_numpy(object))
+    lane = row_codes(rng["group"].to_numpy(), rng["lane"].to_numpy(object))
     lane_group = np.zeros(int(lane.max()) + 1 if len(lane) else 0, np.int64)
     lane_group[lane] = rng["group"].to_numpy()
     starts, ends = rng["start"].to_numpy(), rng["end"].to_numpy()
@@ -317,7 +317,7 @@ def _is_p2p_kernel(names: pd.Series, collectives: pd.Series) -> np.ndarray:
     SendRecv kernel of an all_to_all is a collective. Unlinked kernels: by name."""
     known = collectives.notna().to_numpy()
     by_coll = _per_value(collectives, is_p2p_collective, False, bool)
-    by_name = _str_test(names, lambda s: re.search("SendRecv|Send_|Recv_", s) is not None)
+    by_name = str_test(names, lambda s: re.search("SendRecv|Send_|Recv_", s) is not None)
     return np.where(known, by_coll, by_name)
 
 
@@ -330,9 +330,9 @@ def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: 
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
     ann = np.flatnonzero(ev["gpu_annotation"].to_numpy(bool))
     ann = ann[np.isin(ev["kind"].iloc[ann].to_numpy(object), COMM_DIMS)
-              & _str_test(ev["category"].iloc[ann], lambda c: c.startswith(("comm:", "wait")))]
+              & str_test(ev["category"].iloc[ann], lambda c: c.startswith(("comm:", "wait")))]
     stream, _ = pd.factorize(ev["stream"].array[np.r_[ann, nccl]])  # -1: no stream
-    lane = _codes(np.r_[group[ann], group[nccl], group[nccl]], np.r_[stream, np.full(len(nccl), -1)])
+    lane = row_codes(np.r_[group[ann], group[nccl], group[nccl]], np.r_[stream, np.full(len(nccl), -1)])
     a_lane, k_lane, any_lane = np.split(lane, [len(ann), len(ann) + len(nccl)])
     ks, ke, weight = start[nccl], end[nccl], np.arange(len(ann))
     last = np.maximum(dominance_max(a_lane, start[ann], end[ann], weight, k_lane, ks, ke),
@@ -346,7 +346,7 @@ def _kernel_spans(ev: pd.DataFrame, group: np.ndarray, nccl: np.ndarray, ranks: 
     dim[named] = ev["kind"].iloc[nccl[named]].to_numpy(object)
     rest = nccl[~annotated & ~named]
     cols = [ev[c].iloc[rest].astype(object).to_numpy() for c in ("group_ranks", "collective", "pg_name")]
-    combo = _codes(group[rest], *cols)
+    combo = row_codes(group[rest], *cols)
     firsts = np.unique(combo, return_index=True)[1]  # combo counts 0, 1, ...
     found = [kernel_dim(gr, ranks[g], layout, coll, name, pg[g])
              for g, gr, coll, name in zip(group[rest][firsts], *(c[firsts] for c in cols))]

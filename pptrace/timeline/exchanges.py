@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .intervals import union_by_group
+from .intervals import Axes, flat, union_by_group
 from ..sweeps import reach_before
 
 #: What :func:`wait_transfer` adds to pairs.
@@ -165,11 +165,16 @@ def wait_transfer(pairs: pd.DataFrame, free: pd.DataFrame | None = None, busy: d
 
 
 def _less_busy(span: np.ndarray, rank: np.ndarray, start: np.ndarray, end: np.ndarray, busy: dict) -> None:
-    """span -= the part of [start, end) that ``rank`` spent in its own passes (in place)."""
-    for r in np.unique(rank):
-        if int(r) in busy:
-            mine = rank == r
-            span[mine] -= busy[int(r)].covered(start[mine], end[mine])
+    """span -= the part of [start, end) that ``rank`` spent in its own passes (in place):
+    every rank's passes on an axis of its own, one search for all the spans."""
+    group, b_start, b_end = flat(busy)
+    if not len(group) or not len(span):
+        return
+    lo = min(int(b_start.min()), int(np.min(start)))
+    hi = max(int(b_end.max()), int(np.max(end)))
+    known = np.isin(rank, np.asarray(list(busy), np.int64))  # a rank with no passes loses nothing
+    axes = Axes.over(int(max(group.max(), rank.max())) + 1, lo, hi)
+    span[known] -= axes.covered_at(axes.place(group, b_start, b_end), rank[known], start[known], end[known])
 
 
 def on_gpu(events: pd.DataFrame) -> bool:

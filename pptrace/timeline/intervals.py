@@ -131,6 +131,104 @@ def private_axes(keys, starts, ends) -> np.ndarray:
     return index.astype(np.int64) * stride - lo
 
 
+@dataclass(frozen=True)
+class Axes:
+    """``n`` private time axes, one per row (a rank's step, say): row r's time t lies at
+    ``r * stride + t - lo``. Sets of many rows placed on them never touch one another, so
+    one union, subtraction or intersection of two placed sets is every row's own, and a
+    row's part of a placed set is one slice of it: a sweep per row becomes one sweep."""
+
+    lo: int
+    stride: int
+    n: int
+
+    @classmethod
+    def over(cls, n: int, lo: int, hi: int) -> "Axes":
+        """Axes for ``n`` rows whose times all lie in [lo, hi]."""
+        stride = int(hi) - int(lo) + 1
+        if stride * max(n, 1) >= 2**62:
+            raise ValueError(f"times span {stride} ns: too long for {n} private axes in int64")
+        return cls(int(lo), stride, int(n))
+
+    def place(self, row, starts, ends) -> Intervals:
+        """Intervals of rows ``row`` (sorted by row, then time; disjoint within a row) on
+        their rows' axes; empty ones dropped."""
+        row, starts, ends = (np.asarray(a, np.int64) for a in (row, starts, ends))
+        keep = ends > starts
+        shift = row[keep] * self.stride - self.lo
+        return Intervals(starts[keep] + shift, ends[keep] + shift)
+
+    def rows_of(self, placed: Intervals) -> np.ndarray:
+        return placed.starts // self.stride
+
+    def totals(self, placed: Intervals) -> np.ndarray:
+        """Per row, the placed set's length there (int64 ns; exact below 2**53 per row)."""
+        lengths = (placed.ends - placed.starts).astype(np.float64)
+        return np.bincount(self.rows_of(placed), weights=lengths, minlength=self.n).astype(np.int64)
+
+    def covered(self, placed: Intervals, lo, hi) -> np.ndarray:
+        """Per row r, how much of [lo[r], hi[r]) the placed set covers there (times on the
+        rows' own clocks, each cut to [self.lo, self.lo + stride))."""
+        return self.covered_at(placed, np.arange(self.n, dtype=np.int64), lo, hi)
+
+    def covered_at(self, placed: Intervals, row, lo, hi) -> np.ndarray:
+        """Per query i, how much of [lo[i], hi[i]) the placed set covers on row ``row[i]``."""
+        shift = np.asarray(row, np.int64) * self.stride
+        top = self.stride - 1
+        q_lo = np.clip(np.asarray(lo, np.int64) - self.lo, 0, top) + shift
+        q_hi = np.clip(np.asarray(hi, np.int64) - self.lo, 0, top) + shift
+        return placed.covered(q_lo, np.maximum(q_hi, q_lo))
+
+    def unplace(self, placed: Intervals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row, starts, ends) on the rows' own clocks, sorted by row, then time."""
+        row = self.rows_of(placed)
+        shift = row * self.stride - self.lo
+        return row, placed.starts - shift, placed.ends - shift
+
+    def split(self, placed: Intervals) -> list[Intervals]:
+        """Each row's part of the placed set, on its own clock: one Intervals per row."""
+        cuts = self.slices(placed)[1:-1]
+        row, starts, ends = self.unplace(placed)
+        return [Intervals(s, e) for s, e in zip(np.split(starts, cuts), np.split(ends, cuts))]
+
+    def slices(self, placed: Intervals) -> np.ndarray:
+        """Row r's intervals are placed[bounds[r]:bounds[r + 1]] (n + 1 bounds)."""
+        return np.searchsorted(self.rows_of(placed), np.arange(self.n + 1), side="left")
+
+
+def pieces_in_windows(group, starts, ends, w_group, w_start, w_end):
+    """Every window's part of its group's set (``Intervals.clip`` for many windows of many
+    groups in one search): the intervals of each group (sorted, disjoint within it; groups
+    ascending, ids >= 0) cut to each window [w_start, w_end) of that group -> (window index,
+    starts, ends), by window in the order given, then time."""
+    group, starts, ends, w_group, w_start, w_end = (
+        np.asarray(a, np.int64) for a in (group, starts, ends, w_group, w_start, w_end))
+    if not len(starts) or not len(w_start):
+        return (np.zeros(0, np.int64),) * 3
+    lo = min(int(starts.min()), int(w_start.min()))
+    hi = max(int(ends.max()), int(w_end.max()))
+    axes = Axes.over(int(max(group.max(), w_group.max())) + 1, lo, hi)
+    s_off, w_off = group * axes.stride - lo, w_group * axes.stride - lo
+    # on a group's own axis: the first interval ending after the window starts, and the
+    # first starting at or after its end
+    first = np.searchsorted(ends + s_off, w_start + w_off, side="right")
+    stop = np.searchsorted(starts + s_off, w_end + w_off, side="left")
+    count = np.where(w_end > w_start, np.maximum(stop - first, 0), 0)  # an empty window holds nothing
+    window = np.repeat(np.arange(len(w_start), dtype=np.int64), count)
+    at = np.repeat(first, count) + np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    return window, np.maximum(starts[at], w_start[window]), np.minimum(ends[at], w_end[window])
+
+
+def flat(sets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(group, starts, ends) of ``sets`` ({group id: Intervals}), groups ascending."""
+    keys = sorted(sets)
+    counts = np.array([len(sets[k]) for k in keys], np.int64)
+    group = np.repeat(np.asarray(keys, np.int64), counts)
+    starts = np.concatenate([np.zeros(0, np.int64), *(sets[k].starts for k in keys)])
+    ends = np.concatenate([np.zeros(0, np.int64), *(sets[k].ends for k in keys)])
+    return group, starts.astype(np.int64), ends.astype(np.int64)
+
+
 def _boundaries(a: Intervals, b: Intervals):
     """Elementary segments between all boundaries, and whether each lies in a / in b."""
     points = np.sort(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
@@ -187,16 +285,17 @@ def subtract(a: Intervals, b: Intervals) -> Intervals:
     return _select(a, b, lambda x, y: x & ~y)
 
 
-def partition(window: tuple[int, int], parts: list[tuple[str, Intervals]], rest: str):
-    """Sweep ``parts`` in priority order over ``window``: each part keeps what no earlier part
-    took. Returns {name: Intervals}; ``rest`` gets what nobody took, so the totals sum to the
-    window length exactly."""
-    start, end = window
+def partition(window, parts: list[tuple[str, Intervals]], rest: str):
+    """Sweep ``parts`` in priority order over ``window`` (Intervals, or one (start, end)):
+    each part keeps what no earlier part took. Returns {name: Intervals}; ``rest`` gets what
+    nobody took, so the totals sum to the window's length exactly. Placed on Axes, one call
+    sweeps every row's window at once."""
+    window = window if isinstance(window, Intervals) else Intervals.span(*window)
     taken = Intervals.empty()
     out = {}
     for name, intervals in parts:
-        mine = intervals.clip(start, end) - taken
+        mine = (intervals & window) - taken
         out[name] = (out[name] | mine) if name in out else mine
         taken = taken | mine
-    out[rest] = Intervals.span(start, end) - taken
+    out[rest] = window - taken
     return out

@@ -64,3 +64,41 @@ def test_step_bounds_say_what_bounded_each_step(gpipe, tmp_path):
     ev = gpipe.events
     partial = replace(gpipe, events=ev[~((ev["category"] == "step") & (ev["step"] == 2)).to_numpy()])
     assert [b["step"] for b in step_bounds(partial)] == [1]
+
+
+def test_collective_partners_are_searched_not_listed_pairwise(tmp_path):
+    """A collective of n ranks (n > _PAIRWISE_MAX) is n member rows the walk searches, not
+    n*(n-1) partner entries (a global all-reduce of 1,024 ranks was 1M entries a step); and
+    the partner the search finds is the one the pairwise list gave: the latest other member
+    at or before t, of a tie the first in partner order (p2p peers, then by instance and
+    member position). The dp replicas arrive together: ties everywhere."""
+    from pptrace.analyzers.critical_path import _PAIRWISE_MAX, _graph, _latest_partner, _main_rows
+
+    out, _ = pipeline_run(tmp_path, pp=2, dp=20, microbatches=2, steps=(1,), fwd_us=FWD_US, bwd_us=BWD_US)
+    run = load_run(out, progress=False)
+    g = _graph(_main_rows(run), run.pairs, run.collectives)
+    members = len(run.collectives)
+    assert members == 40 > _PAIRWISE_MAX and len(g.ref_rank) == members and len(g.inst_t) == members
+    assert len(g.wait_t) == 2 * len(run.pairs)  # p2p peers only: no member listed against another
+    n_units = len(g.ref_at) - 1
+    tried = 0
+    for unit in range(n_units):
+        for r in range(g.ref_at[unit], g.ref_at[unit + 1]):
+            lo, hi = g.inst_at[g.ref_inst[r]], g.inst_at[g.ref_inst[r] + 1]
+            times = sorted(set(g.inst_t[lo:hi]))
+            for t in [times[0] - 1, *times, *(x + 1 for x in times)]:
+                # the pairwise list: every other member of each of the unit's instances, and its p2p peers
+                listed = [(g.wait_t[p], g.wait_key[p], g.wait_rank[p])
+                          for p in range(g.wait_at[unit], g.wait_at[unit + 1]) if g.wait_t[p] <= t]
+                for rr in range(g.ref_at[unit], g.ref_at[unit + 1]):
+                    a, b = g.inst_at[g.ref_inst[rr]], g.inst_at[g.ref_inst[rr] + 1]
+                    listed += [(g.inst_t[q], (*g.ref_key[rr], g.inst_pos[q]), g.inst_rank[q])
+                               for q in range(a, b) if g.inst_rank[q] != g.ref_rank[rr] and g.inst_t[q] <= t]
+                want = None
+                if listed:
+                    latest = max(x[0] for x in listed)
+                    first = min((x for x in listed if x[0] == latest), key=lambda x: x[1])
+                    want = (first[0], first[2])
+                assert _latest_partner(g, unit, t) == want
+                tried += 1
+    assert tried > members  # every member's unit, at every arrival and beside it

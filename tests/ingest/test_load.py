@@ -403,25 +403,53 @@ def test_cache_entries_are_arrow_files_that_replace_old_parquet_ones(tmp_path):
 
 
 def test_worker_count_keeps_the_parse_below_the_analysis(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(load, "_cpus", lambda: 8)
     mb = 1 << 20
     monkeypatch.setattr(load, "_start_method", lambda: "fork")
     assert load._worker_count(None, [1 * mb] * 4) == 0  # too little to pay for a pool: in-process
-    assert load._worker_count(None, [65 * mb] * 8) == 1  # bench_analyze's trainer run: one child
+    # bench_analyze's trainer run: two workers, as many as its analysis' memory covers
+    assert load._worker_plan(None, [65 * mb] * 8) == (2, "2 workers: 8 CPUs, memory allows 2")
+    monkeypatch.setattr(load, "_cpus", lambda: 2)
+    assert load._worker_plan(None, [65 * mb] * 8) == (2, "2 workers: 2 CPUs, memory allows 2")
+    monkeypatch.setattr(load, "_cpus", lambda: 1)
+    assert load._worker_plan(None, [65 * mb] * 8) == (1, "1 worker: 1 CPU, memory allows 2")
+    monkeypatch.setattr(load, "_cpus", lambda: 8)
+    assert load._worker_count(None, [400 * mb] + [20 * mb] * 7) == 1  # one big trace: one worker
     # 64 x 10 MB: as many workers as the analysis' memory covers, not one more
     sizes = [10 * mb] * 64
     n, total = load._worker_count(None, sizes), sum(sizes)
     per_worker = load._WORKER_BYTES_PER_TRACE_BYTE * max(sizes)
     analysis = load._ANALYSIS_BYTES_PER_TRACE_BYTE * total
     assert n == 8 and n * per_worker <= analysis  # CPU-bound here
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(load, "_cpus", lambda: 64)
     n = load._worker_count(None, sizes)
     assert n * per_worker <= analysis < (n + 1) * per_worker
-    assert load._worker_count(3, [47 * mb] * 8) == 3
+    assert load._worker_plan(3, [47 * mb] * 8) == (3, "3 workers: as asked")
     assert load._worker_count(3, [47 * mb] * 2) == 2
     monkeypatch.setattr(load, "_start_method", lambda: "spawn")  # macOS, Windows, Linux from 3.14
-    assert load._worker_count(None, [65 * mb] * 8) == 0  # one spawned child is not worth it
+    assert load._worker_count(None, [400 * mb] + [20 * mb] * 7) == 0  # one spawned child is not worth it
     assert load._worker_count(None, sizes) == n  # several are
+
+
+def test_cpus_are_those_this_process_may_run_on(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert load._cpus() == 3  # a container's or taskset's share, not the machine's
+
+
+def test_the_progress_line_says_how_many_workers_and_why(tmp_path, monkeypatch, capsys):
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=2, microbatches=2)
+    monkeypatch.setattr(load, "_POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(load, "_cpus", lambda: 2)
+    monkeypatch.setattr(load, "_start_method", lambda: "fork")
+    jobs = [(path, None) for path in find_trace_files(run_dir)]
+    monkeypatch.setattr(load, "_ANALYSIS_BYTES_PER_TRACE_BYTE", 4 * load._WORKER_BYTES_PER_TRACE_BYTE)
+    load.load_ranks(jobs, use_cache=False, progress=True)
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"pptrace: loading traces 4/4 \(2 workers: 2 CPUs, memory allows \d+\) \(\d+\.\d\d s\)", line), line
+    monkeypatch.setattr(load, "_ANALYSIS_BYTES_PER_TRACE_BYTE", 0.0)
+    load.load_ranks(jobs, use_cache=False, progress=True)
+    assert "(1 worker: 2 CPUs, memory allows 1)" in capsys.readouterr().err
 
 
 def test_trace_size_is_the_decompressed_size(tmp_path):
