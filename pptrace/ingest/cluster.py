@@ -5,11 +5,12 @@ see the run at the same path as this machine). Needs ``pip install 'pptrace[dist
 Map: each trace file not in the cache is one task, the job that parses it in process
 (load._parse_job), run by a worker; what comes back per rank is small: its events table
 compressed (or the path of the cache entry the worker wrote, on a local cluster) and its
-meta. Exchange and reduce (matching the ranks' p2p and collectives, aligning their clocks,
-the report) happen here, on the assembled run, exactly as without Dask: the document is the
-same. A task whose worker dies is run again by Dask (``distributed.scheduler.allowed-failures``
-times); one that keeps killing its workers ends the load with a TraceError, never a report
-without that rank.
+meta. A worker is given each trace's absolute path (it runs in a directory of its own), and
+what it says of the trace names it as the user did. Exchange and reduce (matching the ranks'
+p2p and collectives, aligning their clocks, the report) happen here, on the assembled run,
+exactly as without Dask: the document is the same. A task whose worker dies is run again by
+Dask (``distributed.scheduler.allowed-failures`` times); one that keeps killing its workers
+ends the load with a TraceError, never a report without that rank.
 """
 from __future__ import annotations
 
@@ -91,10 +92,12 @@ def client(scheduler: str, workers: int | None = None):
         try:
             # a malformed address first: a Client made of one fails and then hangs at exit
             distributed.comm.resolve_address(scheduler)
+            _ask_scheduler(scheduler)
             dask_client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
         except (OSError, TimeoutError, ValueError, TypeError) as exc:
-            raise TraceError(f"cannot reach the Dask scheduler at {scheduler} ({' '.join(str(exc).split())}); "
-                             "check the address (tcp://HOST:8786) and that the scheduler runs") from None
+            raise TraceError(f"cannot reach the Dask scheduler at {scheduler} ({_one_line(exc)}); check the "
+                             "address (tcp://HOST:8786, the scheduler's port, not its dashboard's) and that the "
+                             "scheduler runs") from None
         with dask_client:
             try:
                 dask_client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
@@ -102,6 +105,62 @@ def client(scheduler: str, workers: int | None = None):
                 raise TraceError(f"the Dask scheduler at {scheduler} has no worker (none joined within "
                                  f"{CONNECT_TIMEOUT_S} s); start some with `dask worker {scheduler}`") from None
             yield dask_client
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+async def _identity(address: str, connection_args: dict):
+    from distributed.comm import connect
+
+    comm = await connect(address, timeout=CONNECT_TIMEOUT_S, **connection_args)
+    try:
+        await comm.write({"op": "identity", "reply": True})
+        return await comm.read()
+    finally:
+        comm.abort()
+
+
+def _ask_scheduler(address: str) -> None:
+    """Raise OSError unless a Dask scheduler answers at ``address`` within CONNECT_TIMEOUT_S
+    (+1 s for its answer). distributed.Client cannot be trusted with that: its connect retries
+    for its timeout but then awaits the peer's handshake with none, so a port that accepts and
+    never answers hangs it for good, and one that answers something else (an HTTP server: the
+    dashboard's port) fails with whatever those bytes decode to (a MemoryError of exabytes).
+    Asked on a thread of its own: the caller's thread may already run an event loop (a notebook)."""
+    import asyncio
+    import threading
+
+    from distributed.security import Security
+
+    connection_args = Security().get_connection_args("client")
+    # a second beyond connect's own timeout: a port that refuses for that long is said as such
+    deadline = CONNECT_TIMEOUT_S + 1
+    box: dict = {}
+
+    def ask():
+        try:
+            box["reply"] = asyncio.run(asyncio.wait_for(_identity(address, connection_args), deadline))
+        except (TimeoutError, asyncio.TimeoutError):  # before OSError: TimeoutError is one
+            box["error"] = f"no answer within {deadline} s"
+        except OSError as exc:
+            box["error"] = _one_line(exc)
+        except Exception:  # noqa: BLE001 - the peer's bytes decoded as Dask's protocol: anything
+            box["error"] = "it answered, but not as a Dask scheduler"
+
+    thread = threading.Thread(target=ask, name="pptrace-dask-probe", daemon=True)
+    thread.start()
+    thread.join(deadline + 5)
+    if thread.is_alive():
+        raise OSError(f"no answer within {deadline} s")
+    if "error" in box:
+        raise OSError(box["error"])
+    reply = box["reply"]
+    kind = reply.get("type") if isinstance(reply, dict) else None
+    if kind != "Scheduler":
+        raise OSError(f"it answered as a Dask {kind}, not a scheduler" if isinstance(kind, str)
+                      else "it answered, but not as a Dask scheduler")
 
 
 def _on_worker(job, args: tuple, pack: bool):
@@ -124,8 +183,10 @@ def map_jobs(scheduler: str, workers: int | None, job, calls: dict, on_done) -> 
     pack = scheduler != LOCAL  # a remote worker's cache entry is not this machine's file
     token = uuid.uuid4().hex[:8]
     with client(scheduler, workers) as dask_client:
+        # a worker runs in a directory of its own: a relative RUN means nothing there
+        absolute = {i: os.path.abspath(args[0]) for i, args in calls.items()}
         futures = {
-            dask_client.submit(_on_worker, job, args, pack, pure=False,
+            dask_client.submit(_on_worker, job, (absolute[i], *args[1:]), pack, pure=False,
                                key=f"pptrace-load-rank{args[1]}-{token}-{i}"): i
             for i, args in calls.items()
         }
@@ -137,6 +198,7 @@ def map_jobs(scheduler: str, workers: int | None, job, calls: dict, on_done) -> 
                 except Exception as exc:
                     raise _job_failed(calls[index], exc, scheduler) from None
                 future.release()
+                outcome = _as_given(outcome, absolute[index], calls[index][0])
                 on_done(index, _checked(outcome, calls[index], scheduler))
         except BaseException:
             dask_client.cancel(list(futures))  # a remote cluster's other tasks: no one awaits them
@@ -156,10 +218,22 @@ def _job_failed(args: tuple, exc: Exception, scheduler: str) -> TraceError:
                           "killed?); no report written")
     if isinstance(exc, (OSError, CancelledError)):  # the scheduler went away (CommClosedError, ...)
         return TraceError(f"rank {rank} ({path}): lost the Dask scheduler at {scheduler} "
-                          f"({type(exc).__name__}: {' '.join(str(exc).split())}); no report written")
+                          f"({type(exc).__name__}: {_one_line(exc)}); no report written")
     return TraceError(f"rank {rank} ({path}): its Dask task failed ({type(exc).__name__}: "
-                      f"{' '.join(str(exc).split())}); every worker needs pptrace installed, and the run at "
+                      f"{_one_line(exc)}); every worker needs pptrace installed, and the run at "
                       "the same path; no report written")
+
+
+def _as_given(outcome, absolute: str, given: str):
+    """The worker's outcome for ``absolute``, naming the trace as the user gave it (the
+    report names it as it does without Dask)."""
+    stored, meta, error = outcome
+    if absolute == given:
+        return outcome
+    if meta is not None:
+        meta = {**meta, "path": given,
+                "warnings": [w.replace(absolute, given) for w in meta.get("warnings") or ()]}
+    return stored, meta, error.replace(absolute, given) if error is not None else None
 
 
 def _checked(outcome, args: tuple, scheduler: str):
@@ -169,6 +243,8 @@ def _checked(outcome, args: tuple, scheduler: str):
     error = outcome[2]
     if error is not None and error.startswith(f"cannot read {path}") and os.access(path, os.R_OK):
         where = "" if scheduler == LOCAL else f" of {scheduler}"
-        raise TraceError(f"{error} (on a Dask worker{where}, while this machine reads it); the workers must "
-                         "see the run at the same path; no report written")
+        run = os.path.dirname(os.path.abspath(path))
+        raise TraceError(f"{error} (on a Dask worker{where}, while this machine reads it); every worker must "
+                         f"see the run's traces at the same path ({run}: a shared file system mounted there, or "
+                         "a copy); no report written")
     return outcome

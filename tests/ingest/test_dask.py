@@ -4,16 +4,25 @@ retried, or the command fails in one line with no report: never a report without
 
 The clusters are real (LocalCluster on the loopback, worker processes). A job that kills its
 worker is this module's stand-in for load._parse_job, patched in where load_ranks looks it
-up; the workers import this module (tests/ is on their sys.path, passed on by spawn)."""
+up; the workers import this module (tests/ is on their sys.path, passed on by spawn).
+
+As on a cluster, ``cli_cluster`` is a `dask scheduler` and two `dask worker` processes started
+from the command line (benchmarks/bench_dask.py's CliCluster: each in a process group of its
+own, killed whatever the tests do), the workers in a directory of their own; ``pptrace`` runs
+against it as a separate process too."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import socket
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +32,10 @@ from pptrace.cli import cli
 from pptrace.errors import TraceError
 from pptrace.ingest import cluster, files, load, store
 from pptrace.run.build import load_run
-from tracegen import pipeline_run
+from tracegen import pipeline_run, pipeline_traces, write_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_dask import CliCluster  # noqa: E402 - the benchmark's cluster, started as on a cluster
 
 needs_dask = pytest.mark.skipif(importlib.util.find_spec("distributed") is None,
                                 reason="needs dask[distributed] (pip install 'pptrace[distributed]')")
@@ -164,7 +176,7 @@ def test_a_job_that_always_kills_its_worker_fails_in_one_line(tiny_run, monkeypa
 @needs_dask
 def test_a_worker_that_cannot_read_the_run_is_an_error_not_a_missing_rank(tiny_run, scheduler, monkeypatch):
     monkeypatch.setattr(load, "_parse_job", _cannot_read)
-    with pytest.raises(TraceError, match="the workers must see the run at the same path"):
+    with pytest.raises(TraceError, match="every worker must see the run's traces at the same path"):
         load_run(tiny_run, progress=False, scheduler=scheduler)
 
 
@@ -207,3 +219,141 @@ def test_workers_and_scheduler_together_are_refused(tiny_run):
     result = invoke("analyze", tiny_run, "--workers", 2, "--scheduler", "tcp://127.0.0.1:8786")
     assert result.exit_code == 2
     assert "give one of them" in result.stderr
+
+
+# -- a cluster started as on a cluster: `dask scheduler` and `dask worker` processes ------------
+#: pptrace as a user runs it, with the connect timeout shrunk so that a failure costs seconds
+PPTRACE = "import sys; from pptrace.ingest import cluster; cluster.CONNECT_TIMEOUT_S = 1; " \
+          "from pptrace.cli import cli; sys.argv[0] = 'pptrace'; cli()"
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(tmp_path_factory):
+    """The address of a `dask scheduler` with two `dask worker`s, all separate processes."""
+    with CliCluster(2, tmp_path_factory.mktemp("cli-cluster")) as running:
+        yield running.address
+
+
+def pptrace_command(*args, cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    """``pptrace ARGS`` in a fresh process (cluster.CONNECT_TIMEOUT_S = 1) -> (result, seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PPTRACE_PROGRESS": "1"}
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", PPTRACE, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done, time.perf_counter() - t
+
+
+@pytest.fixture
+def warned_run(tmp_path):
+    """A pp=2 x dp=2 run one of whose traces holds an event twice: its document carries a
+    warning that names the trace's path."""
+    traces, _ = pipeline_traces(pp=2, dp=2)
+    twice = next(e for e in traces[1].events if e.get("dur", 0) > 0)
+    traces[1].events.append(dict(twice))
+    return write_run(tmp_path / "run", traces)
+
+
+@pytest.mark.slow
+@needs_dask
+def test_a_dask_cli_cluster_gives_the_in_process_document(cli_cluster, warned_run, monkeypatch):
+    """RUN as a user on the cluster's login node types it, relative to where they stand; the
+    workers stand elsewhere: the document is the in-process one, the warning naming the trace
+    as the user named it."""
+    monkeypatch.chdir(warned_run.parent)
+    expected = document("analyze", "run", "--json")
+    assert any(w.startswith("run/traces/rank1.json.gz: 1 event recorded twice") for w in expected["warnings"])
+    cold(warned_run)
+    done, _ = pptrace_command("analyze", "run", "--json", "--scheduler", cli_cluster, cwd=warned_run.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == expected
+    assert f"loading traces on Dask at {cli_cluster} 4/4" in done.stderr  # parsed there, not read from the cache
+    assert len(entries(warned_run)) == 4  # the workers filled the cache beside the traces
+
+
+def _silent_listener(server: socket.socket) -> None:
+    """Accepts and never answers (the kernel queues the connections)."""
+    server.listen()
+
+
+def _http_listener(server: socket.socket) -> None:
+    """Answers anything as an HTTP server does (the dashboard's port), then hangs up."""
+    server.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+
+
+@pytest.mark.slow
+@needs_dask
+@pytest.mark.parametrize("peer, why", [
+    (None, "Timed out trying to connect"),  # nothing listens
+    (_silent_listener, "no answer within 2 s"),  # Dask's own Client waits for ever on it
+    (_http_listener, "it answered, but not as a Dask scheduler"),  # Dask's: a MemoryError of exabytes
+    ("worker", "it answered as a Dask Worker, not a scheduler"),
+])
+def test_a_scheduler_not_reachable_is_one_line_within_the_timeout(cli_cluster, tiny_run, peer, why):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        if peer == "worker":
+            import distributed
+
+            with distributed.Client(cli_cluster, timeout=10, set_as_default=False) as client:
+                address = next(iter(client.scheduler_info()["workers"]))
+        elif peer is not None:
+            peer(server)
+        if peer is None:
+            server.close()  # the port stays free: connections to it are refused
+        done, seconds = pptrace_command("analyze", tiny_run, "--json", "--scheduler", address, cwd=tiny_run)
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"Error: cannot reach the Dask scheduler at {address} ("), lines
+    assert why in lines[-1] and lines[-1].endswith("and that the scheduler runs")
+    assert all(line.startswith("pptrace: ") for line in lines[:-1]), lines  # progress, then that line only
+    assert seconds < 2 + 8, seconds  # the timeout, plus a fresh process's imports on a loaded box
+
+
+def _hides(directory: Path) -> list | None:
+    """A command prefix that runs what follows in a mount namespace of its own where
+    ``directory`` is an empty tmpfs (a machine that does not see the run there), or None where
+    this system allows no such namespace (unprivileged user namespaces off, as some CI
+    runners have them)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    prefix = [unshare, "--user", "--map-root-user", "--mount", "sh", "-c",
+              'mount -t tmpfs tmpfs "$0" && exec "$@"', str(directory)]
+    probe = subprocess.run([*prefix, "test", "!", "-e", str(directory / "run")], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
+@pytest.mark.slow
+@needs_dask
+def test_a_worker_that_does_not_see_the_run_names_the_path(tmp_path_factory, tmp_path):
+    """A real `dask worker` to which the run's directory is an empty one (its own mount
+    namespace): the command stops in one line naming the path and what to do, no report."""
+    shared = tmp_path / "shared"
+    run = pipeline_run(shared / "run", pp=2, dp=1)[0]
+    prefix = _hides(shared)
+    if prefix is None:
+        pytest.skip("no unprivileged mount namespaces here (unshare --user --mount refused)")
+    with CliCluster(1, tmp_path_factory.mktemp("blind-cluster"), worker_prefix=prefix) as blind:
+        address = blind.address
+        done, _ = pptrace_command("analyze", run, "--json", "--scheduler", address, cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    error = done.stderr.strip().splitlines()[-1]
+    assert re.match(rf"Error: cannot read {re.escape(str(run / 'traces'))}/rank[01]\.json\.gz: No such file or "
+                    "directory", error), error
+    assert f"on a Dask worker of {address}, while this machine reads it" in error
+    assert f"every worker must see the run's traces at the same path ({run / 'traces'}:" in error
+    assert error.endswith("no report written")
