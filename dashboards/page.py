@@ -157,7 +157,7 @@ def _rank_list(ranks, shown: int = 16) -> str:
 def build_figures(run, report: dict, *, partitions, ranges, whatif_result: dict | None = None,
                   whatif_note: str | None = None) -> dict:
     """The page's figures, drawn from what the caller computed: the contract-4 ``report``,
-    the StepPartitions it was built from (``partitions``: the timeline's grey is their
+    the Partitions it was built from (``partitions``: the timeline's grey is their
     pp_bubble), the ranges the timeline draws, where they ran (``ranges``:
     ``projection.drawn_ranges``) and the what-if result of the run (``whatif_result``; when
     there is none, ``whatif_note`` says why). Nothing is analysed here: the windows are the
@@ -303,14 +303,15 @@ def page_html(title: str, header_html: str, sections, figures: dict) -> str:
             continue
         height = int(figures[key].layout.height or 450)
         note_html = f'<p class="note">{html.escape(note)}</p>' if note else ""
-        # what the figure's source said about its numbers (the what-if's assumptions)
+        # what the figure's source said about its numbers (the what-if's assumptions, a
+        # down-sampled timeline), above the figure: under a tall timeline nobody would see it
         meta = figures[key].layout.meta
         fig_notes = meta.get("notes") if isinstance(meta, dict) else None
         notes_html = ("<ul class=\"fig-notes\">" + "".join(
             f"<li>{html.escape(str(n))}</li>" for n in fig_notes) + "</ul>") if fig_notes else ""
         body.append(
-            f'<section id="{key}"><h2>{html.escape(heading)}</h2>{note_html}'
-            f'<div id="fig-{key}" class="pptrace-fig" style="height:{height}px"></div>{notes_html}'
+            f'<section id="{key}"><h2>{html.escape(heading)}</h2>{note_html}{notes_html}'
+            f'<div id="fig-{key}" class="pptrace-fig" style="height:{height}px"></div>'
             f'<script type="application/json" id="data-fig-{key}">{_inert_json(figures[key])}</script>'
             "</section>")
     labels = {"min_font": LABEL_MIN_FONT_PX, "max_in_view": MAX_LABELS_IN_VIEW}

@@ -48,6 +48,31 @@ def _block_hover(blocks, lane_label: dict) -> list[str]:
     return out
 
 
+def downsampled_note(tl: Timeline) -> str:
+    """What the page says when decimation merged blocks: the drawing is not every op."""
+    said = []
+    if tl.merged_blocks:
+        drawn = len(tl.blocks)
+        said.append(f"{drawn + tl.merged_blocks:,} ranges are drawn as {drawn:,} blocks ({tl.merged_blocks:,} "
+                    "merged into a neighbour of the same kind on the same row, closer than a pixel at full "
+                    "view; a merged block's hover says how many ops it holds)")
+    if tl.merged_idle:
+        drawn = len(tl.idle)
+        said.append(f"{drawn + tl.merged_idle:,} pp_bubble intervals as {drawn:,} grey blocks (a merged grey "
+                    "block spans its intervals and its hover gives the bubble they hold)")
+    return ("Down-sampled: " + ", and ".join(said) + ". Zooming does not split them: to see every op, "
+            "draw fewer ranks or steps (--ranks, --steps) or open `pptrace merge` in Perfetto.")
+
+
+def _idle_hover(idle, lane_label: dict) -> list[str]:
+    out = []
+    for r, a, b, bubble, n in zip(idle["rank"], idle["start_ms"], idle["end_ms"], idle["bubble_ms"], idle["merged"]):
+        where = (f"at {a:.3f} ms, {fmt_ms(b - a)} long" if n == 1 else
+                 f"{n} intervals merged at full view, {a:.3f} to {b:.3f} ms: {fmt_ms(bubble)} of bubble")
+        out.append(f"pp_bubble (step partition)<br>{esc(lane_label.get(r, f'rank {r}'))}<br>{where}")
+    return out
+
+
 def _block_label(phase: str, mb, chunk) -> str:
     mb_s, chunk_s = fmt_int(mb), fmt_int(chunk)
     if mb_s is None:
@@ -108,11 +133,8 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
                            meta={"step": step, "phase": "pipeline_window"}),
                 step=step)
         if not idle.empty:
-            text = [f"pp_bubble (step partition)<br>{esc(lane_label.get(r, f'rank {r}'))}<br>"
-                    f"at {a:.3f} ms, {fmt_ms(b - a)} long"
-                    for r, a, b in zip(idle["rank"], idle["start_ms"], idle["end_ms"])]
             add(*block_traces(idle["start_ms"].to_numpy(), idle["end_ms"].to_numpy(),
-                               idle["rank"].map(y_of).to_numpy(dtype=float), 0.8, text,
+                               idle["rank"].map(y_of).to_numpy(dtype=float), 0.8, _idle_hover(idle, lane_label),
                                name="idle: pp_bubble", color="#9E9E9E", fill=IDLE_COLOR,
                                meta={"step": step, "phase": "idle"}, px_per_unit=px_per_ms),
                 step=step)
@@ -154,8 +176,10 @@ def timeline_figure(tl: Timeline, *, title: str = "Pipeline timeline") -> go.Fig
               for a, b in zip(tl.lanes, tl.lanes[1:]) if a.stage != b.stage]
     plot_px = n_rows * px_row
     height = int(plot_px + 170)
+    notes = [downsampled_note(tl)] if tl.merged_blocks or tl.merged_idle else []
     fig.update_layout(
-        title=title, height=height, hovermode="closest", dragmode="zoom", plot_bgcolor="white",
+        title=f"{title} · down-sampled" if notes else title, meta={"notes": notes},
+        height=height, hovermode="closest", dragmode="zoom", plot_bgcolor="white",
         # fixed margins, with the legend and the step buttons placed inside them: a legend or
         # menu that pushes a margin makes Plotly lay the whole figure out a second time
         legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0),

@@ -57,6 +57,7 @@ class Timeline:
     steps: list[int]
     has_comm: bool
     merged_blocks: int = 0  # blocks folded into neighbours by decimation (0 = every op drawn)
+    merged_idle: int = 0  # pp_bubble intervals folded likewise (0 = every interval drawn)
     step_spans_ms: dict = field(default_factory=dict)  # step -> Span (0, end of that step)
     pipeline_ms: dict = field(default_factory=dict)  # step -> Span of the analysis' pipeline window
 
@@ -109,34 +110,35 @@ def lanes_for(layout, ranks) -> list[Lane]:
     return lanes
 
 
-def decimate(blocks: pd.DataFrame, max_blocks: int) -> tuple[pd.DataFrame, int]:
-    """Fold neighbouring blocks of one (step, rank, row, phase) that are closer than a pixel at
-    full view, until at most about ``max_blocks`` remain. Nobody can see them apart unzoomed, and
-    the drawing and the HTML size stay bounded on large runs. Merged blocks say how many ops they hold."""
+BLOCK_KEYS = ("step", "rank", "row", "phase")  # blocks merge only with their own kind on their row
+IDLE_KEYS = ("step", "rank")
+# how a merged block's columns come from its parts (the rest: the first part's)
+_MERGED = {"start_ms": "min", "end_ms": "max", "dur_ns": "sum", "bubble_ms": "sum", "bytes": "sum", "merged": "sum"}
+
+
+def decimate(blocks: pd.DataFrame, max_blocks: int, keys=BLOCK_KEYS) -> tuple[pd.DataFrame, int]:
+    """Fold neighbouring blocks of one ``keys`` group (default (step, rank, row, phase)) that are
+    closer than a pixel at full view, until at most about ``max_blocks`` remain. Nobody can see
+    them apart unzoomed, and the drawing and the HTML size stay bounded on large runs. Merged
+    blocks say how many ops they hold (``merged``) and what they sum (``dur_ns``, ``bubble_ms``)."""
     if len(blocks) <= max_blocks:
         return blocks, 0
     span = max(float(blocks["end_ms"].max() - blocks["start_ms"].min()), 1e-9)
     out, gap = blocks, span / 20000.0
     while len(out) > max_blocks and gap < span:
-        out = _merge_close(out, gap)
+        out = _merge_close(out, gap, list(keys))
         gap *= 4
     return out, len(blocks) - len(out)
 
 
-def _merge_close(blocks: pd.DataFrame, gap: float) -> pd.DataFrame:
-    b = blocks.sort_values(["step", "rank", "row", "phase", "start_ms"]).reset_index(drop=True)
-    key = b[["step", "rank", "row", "phase"]]
+def _merge_close(blocks: pd.DataFrame, gap: float, keys: list) -> pd.DataFrame:
+    b = blocks.sort_values([*keys, "start_ms"]).reset_index(drop=True)
+    key = b[keys]
     same = (key == key.shift()).all(axis=1).to_numpy()
-    running_end = b.groupby(["step", "rank", "row", "phase"])["end_ms"].cummax().shift().to_numpy()
+    running_end = b.groupby(keys)["end_ms"].cummax().shift().to_numpy()
     joins = same & (b["start_ms"].to_numpy() - np.nan_to_num(running_end, nan=-np.inf) <= gap)
     group = np.cumsum(~joins)
-    agg = b.groupby(group).agg(
-        step=("step", "first"), rank=("rank", "first"), row=("row", "first"),
-        phase=("phase", "first"), start_ms=("start_ms", "min"), end_ms=("end_ms", "max"),
-        dur_ns=("dur_ns", "sum"), name=("name", "first"), mb=("mb", "first"),
-        chunk=("chunk", "first"), peer=("peer", "first"), bytes=("bytes", "sum"),
-        merged=("merged", "sum"),
-    )
+    agg = b.groupby(group).agg(**{c: (c, _MERGED.get(c, "first")) for c in b.columns})
     return agg.reset_index(drop=True)
 
 
@@ -152,17 +154,22 @@ def _origins(step_windows: dict) -> dict[int, tuple[int, int]]:
 
 def _bubble_intervals(partitions, origin_ns: dict) -> pd.DataFrame:
     """The partition's pp_bubble of every (rank, step), in ms since the step's origin
-    (``origin_ns``: step -> its x origin)."""
-    mine = [(p, p.parts["pp_bubble"]) for p in partitions if p.step in origin_ns]
-    counts = [len(bubble) for _, bubble in mine]
-    origin = np.repeat(np.array([origin_ns[p.step] for p, _ in mine], dtype=np.int64), counts)
-    starts = np.concatenate([np.zeros(0, np.int64), *(bubble.starts for _, bubble in mine)])
-    ends = np.concatenate([np.zeros(0, np.int64), *(bubble.ends for _, bubble in mine)])
+    (``origin_ns``: step -> its x origin); ``partitions``: analyzers.partition.Partitions."""
+    if not len(partitions):
+        row = starts = ends = np.zeros(0, np.int64)
+        step = rank = row
+    else:
+        row, starts, ends = partitions.intervals("pp_bubble")
+        step, rank = partitions.step[row], partitions.rank[row]
+    known = np.array(sorted(origin_ns), dtype=np.int64)
+    keep = np.isin(step, known)
+    step, rank, starts, ends = step[keep], rank[keep], starts[keep], ends[keep]
+    origin = np.array([origin_ns[int(s)] for s in known], dtype=np.int64)[np.searchsorted(known, step)]
     return pd.DataFrame({
-        "step": np.repeat(np.array([p.step for p, _ in mine], dtype=np.int64), counts),
-        "rank": np.repeat(np.array([p.rank for p, _ in mine], dtype=np.int64), counts),
+        "step": step, "rank": rank,
         # subtract in int64 first: epoch ns do not fit a float64 exactly
         "start_ms": (starts - origin) / 1e6, "end_ms": (ends - origin) / 1e6,
+        "bubble_ms": (ends - starts) / 1e6, "merged": np.ones(len(starts), dtype=np.int64),
     })
 
 
@@ -173,7 +180,7 @@ def build_timeline(ranges: pd.DataFrame, layout, step_windows: dict, pipeline_wi
     ``ranges``: what to draw, where it ran (``projection.drawn_ranges`` of the run's events:
     contract ranges, or kernels where a trace has none). The windows are the analysis' own
     (``Run.step_windows``: (rank, step) -> (start_ns, end_ns); ``Run.pipeline_windows``:
-    step -> (start_ns, end_ns)); ``partitions`` are the StepPartitions the report was built
+    step -> (start_ns, end_ns)); ``partitions`` are the Partitions (analyzers.partition) the report was built
     from, whose pp_bubble is the grey idle. ``ranks``: the lanes (default: those in ``ranges``)."""
     origins = _origins(step_windows)
     wanted = sorted(origins) if steps is None else [s for s in sorted(set(steps)) if s in origins]
@@ -206,12 +213,14 @@ def build_timeline(ranges: pd.DataFrame, layout, step_windows: dict, pipeline_wi
         "merged": np.ones(len(picked), dtype=np.int64),
     })
     blocks, merged = decimate(blocks, max_blocks)
+    # a GPU trace's bubble can be every gap between two kernels: as many intervals as kernels
+    idle, merged_idle = decimate(_bubble_intervals(partitions, origin_ns), max_blocks, IDLE_KEYS)
     ranks = sorted(int(r) for r in (ranges["rank"].unique() if ranks is None else ranks))
     pipes = {s: Span((lo - origin_ns[s]) / 1e6, (hi - origin_ns[s]) / 1e6)
              for s, (lo, hi) in (pipeline_windows or {}).items() if s in origins}
     return Timeline(
         blocks=blocks.reset_index(drop=True),
-        idle=_bubble_intervals(partitions, origin_ns),
+        idle=idle.reset_index(drop=True), merged_idle=merged_idle,
         lanes=lanes_for(layout, ranks), steps=wanted, has_comm=bool((blocks["row"] == COMM_ROW).any()),
         merged_blocks=merged, step_spans_ms={s: Span(0.0, (hi - lo) / 1e6) for s, (lo, hi) in origins.items()},
         pipeline_ms=pipes,

@@ -21,9 +21,11 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
+import numpy as np
 import orjson
-
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pptrace.ingest.load import load_rank
 from pptrace.run.model import Run
@@ -154,6 +156,18 @@ def pipeline_run(out_dir, *, pp: int = 2, dp: int = 1, microbatches: int = 4, st
     rank leaves when the last one arrives (+ latency). ``truth`` holds per rank the skew,
     and the pairs [(src, dst, direction, mb, step, send_start_us, recv_end_us)].
     """
+    traces, truth = pipeline_traces(pp=pp, dp=dp, microbatches=microbatches, steps=steps, fwd_us=fwd_us,
+                                    bwd_us=bwd_us, latency_us=latency_us, skew_ns=skew_ns,
+                                    cpu_ops_per_mb=cpu_ops_per_mb)
+    write_run(out_dir, traces, gz=gz)
+    return Path(out_dir), truth
+
+
+def pipeline_traces(*, pp: int = 2, dp: int = 1, microbatches: int = 4, steps=(1, 2),
+                    fwd_us: float = 1000.0, bwd_us: float = 2000.0, latency_us: float = 50.0,
+                    skew_ns: dict | None = None, cpu_ops_per_mb: int = 0):
+    """pipeline_run's traces, in memory -> (traces, truth): the skeleton that
+    :func:`write_dense` fills rank by rank when the whole run would not fit in memory."""
     layout = Layout(pp=pp, dp=dp)
     skew_ns = skew_ns or {}
     traces = [RankTrace(r, layout=layout, skew_ns=skew_ns.get(r, 0), schedule="gpipe",
@@ -202,8 +216,7 @@ def pipeline_run(out_dir, *, pp: int = 2, dp: int = 1, microbatches: int = 4, st
                 t.clock("start", t0)
             t.clock("end", leave + 10)
         t0 = leave + 20
-    write_run(out_dir, traces, gz=gz)
-    return Path(out_dir), truth
+    return traces, truth
 
 
 # -------------------------------------------------------------------------------------------
@@ -270,3 +283,155 @@ STAGE1 = [
     ("dp:all_reduce what=grad_norm bytes=4", 175, 230),  # blocked until stage 0 is done
     ("compute:optimizer", 232, 240),
 ]
+
+
+# -------------------------------------------------------------------------------------------
+# large traces, written a slice at a time (benchmarks: 1,024 ranks, 128 ranks x 150 MB)
+# -------------------------------------------------------------------------------------------
+#: the op names a MoE layer's forward and backward launch, and the kernels they run
+MOE_OPS = ("aten::linear", "aten::mm", "aten::topk", "aten::softmax", "aten::index_select",
+           "aten::scatter_add_", "aten::bmm", "aten::cat", "aten::mul", "aten::add_")
+MOE_KERNELS = (
+    "void cutlass::Kernel<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>"
+    "(cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8::Params)",
+    "void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>"
+    "(at::cuda::detail::TensorInfo<c10::BFloat16, unsigned int>, at::cuda::detail::TensorInfo<c10::BFloat16, "
+    "unsigned int>, at::cuda::detail::TensorInfo<long, unsigned int>, int, int, unsigned int, unsigned int, long)",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(at::cuda::detail::TensorInfo<float, "
+    "unsigned int>, unsigned int, unsigned int, bool, unsigned int, unsigned int, "
+    "at::cuda::detail::TensorInfo<float, unsigned int>, unsigned int, at::cuda::detail::TensorInfo<long, "
+    "unsigned int>, unsigned int)",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+    "at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+    "at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, at::detail::Array<char*, 3>)",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+    "void at::native::_scatter_gather_elementwise_kernel<128, 4, "
+    "at::native::_cuda_scatter_gather_internal_kernel<true, c10::BFloat16>::operator()>(int, "
+    "at::native::_cuda_scatter_gather_internal_kernel<true, c10::BFloat16>::operator())",
+)
+_DENSE_CHUNK_OPS = 20_000  # ops turned into text at a time: bounds the writer's memory
+
+
+def _ns_text(ns) -> pa.Array:
+    """Integer ns as Kineto's µs with 3 decimals."""
+    ns = np.asarray(ns, dtype=np.int64)
+    frac = pc.utf8_lpad(pa.array(ns % 1000).cast(pa.string()), 3, "0")
+    return pc.binary_join_element_wise(pa.array(ns // 1000).cast(pa.string()), frac, ".")
+
+
+def _int_text(values) -> pa.Array:
+    return pa.array(np.asarray(values, dtype=np.int64)).cast(pa.string())
+
+
+def _pick(names, k) -> pa.Array:
+    """names[k % len(names)] as JSON string literals, per op."""
+    literals = pa.array([orjson.dumps(n).decode() for n in names])
+    return literals.take(pa.array(np.asarray(k, dtype=np.int64) % len(names)))
+
+
+def _event_text(head: list, timing: list, args: list | None = None) -> pa.Array:
+    """Events in Kineto's layout, each after a comma: ``head`` and ``timing`` are (key, JSON text
+    or array of it) pairs on one line each, ``args`` one pair a line."""
+    def line(pairs, sep):
+        out = []
+        for i, (key, value) in enumerate(pairs):
+            out += [f'{sep if i else ""}"{key}": ', value]
+        return out
+
+    parts = [",\n  {\n    ", *line(head, ", "), ",\n    ", *line(timing, ", ")]
+    if args:
+        parts += [',\n    "args": {\n      ', *line(args, ",\n      "), "\n    }"]
+    merged = []  # neighbouring literals as one: fewer arrays to join
+    for part in [*parts, "\n  }"]:
+        if isinstance(part, str) and merged and isinstance(merged[-1], str):
+            merged[-1] += part
+        else:
+            merged.append(part)
+    return pc.binary_join_element_wise(*merged, "")
+
+
+_KERNEL_ARGS = [("queued", "0"), ("device", "0"), ("context", "1"), ("stream", "7")]
+_KERNEL_SHAPE = [("registers per thread", "90"), ("shared memory", "49152"), ("blocks per SM", "0.5925926"),
+                 ("warps per SM", "2.3703704"), ("grid", "[64, 1, 1]"), ("block", "[128, 1, 1]"),
+                 ("est. achieved occupancy %", "4")]
+
+
+def _dense_events(trace: RankTrace, start, dur, k, n, first_id: int, gpu: bool) -> list:
+    """The text of the ops of one slice (op k of n in the compute range [start, start+dur) ns on
+    the trace's clock; ids from ``first_id``), one array per kind of event."""
+    ids = first_id + np.arange(len(k), dtype=np.int64)
+    pid = str(trace.pid)
+    on_host = [("pid", pid), ("tid", pid)]
+    if not gpu:  # pipeline_run's aten::mm ops, timed as it times them
+        return [_event_text(
+            [("ph", '"X"'), ("cat", '"cpu_op"'), ("name", '"aten::mm"'), *on_host],
+            [("ts", _ns_text(start + dur * k // (n + 1))), ("dur", _ns_text(dur // (n + 2)))],
+            [("External id", _int_text(ids)), ("Record function id", "0"), ("Ev Idx", _int_text(ids)),
+             ("Input Dims", "[[64, 64], [64, 64]]"), ("Input type", '["float", "float"]'),
+             ("Sequence number", _int_text(ids)), ("Fwd thread id", "0")])]
+    slot = dur // n
+    t0 = start + k * slot
+    launch, kernel = t0 + 3 * slot // 10, t0 + 45 * slot // 100
+    on_gpu = [("pid", "0"), ("tid", "7")]
+    # the op, the allocation nested in it (folded at load), its launch, the flow to its kernel
+    return [
+        _event_text([("ph", '"X"'), ("cat", '"cpu_op"'), ("name", _pick(MOE_OPS, k)), *on_host],
+                    [("ts", _ns_text(t0 + slot // 50)), ("dur", _ns_text(6 * slot // 10))],
+                    [("External id", _int_text(2 * ids)), ("Record function id", "0"), ("Ev Idx", _int_text(3 * ids)),
+                     ("Input Dims", "[[4096, 1024], [1024, 4096]]"),
+                     ("Input type", '["c10::BFloat16", "c10::BFloat16"]'),
+                     ("Sequence number", _int_text(ids)), ("Fwd thread id", "0")]),
+        _event_text([("ph", '"X"'), ("cat", '"cpu_op"'), ("name", '"aten::empty"'), *on_host],
+                    [("ts", _ns_text(t0 + slot // 20)), ("dur", _ns_text(slot // 20))],
+                    [("External id", _int_text(2 * ids + 1)), ("Record function id", "0"),
+                     ("Ev Idx", _int_text(3 * ids + 1)), ("Input Dims", "[[], [], [], [], [], []]"),
+                     ("Input type", '["ScalarList", "Scalar", "", "", "", ""]')]),
+        _event_text([("ph", '"X"'), ("cat", '"cuda_runtime"'), ("name", '"cudaLaunchKernel"'), *on_host],
+                    [("ts", _ns_text(launch)), ("dur", _ns_text(slot // 5))],
+                    [("External id", _int_text(2 * ids)), ("cbid", "211"), ("correlation", _int_text(ids))]),
+        _event_text([("ph", '"s"'), ("id", _int_text(ids)), *on_host],
+                    [("ts", _ns_text(launch)), ("cat", '"ac2g"'), ("name", '"ac2g"')]),
+        _event_text([("ph", '"f"'), ("id", _int_text(ids)), *on_gpu],
+                    [("ts", _ns_text(kernel)), ("cat", '"ac2g"'), ("name", '"ac2g"'), ("bp", '"e"')]),
+        _event_text([("ph", '"X"'), ("cat", '"kernel"'), ("name", _pick(MOE_KERNELS, k)), *on_gpu],
+                    [("ts", _ns_text(kernel)), ("dur", _ns_text(slot // 2))],
+                    [("External id", _int_text(2 * ids)), *_KERNEL_ARGS, ("correlation", _int_text(ids)),
+                     *_KERNEL_SHAPE]),
+    ]
+
+
+def write_dense(trace: RankTrace, path, ops_per_range: int, *, gpu: bool = False) -> Path:
+    """Write ``trace`` with ``ops_per_range`` ops inside each of its ``compute:`` ranges, made and
+    gzipped a slice at a time, so that a trace of hundreds of MB never sits in memory.
+
+    ``gpu=False``: pipeline_run's nested ``aten::mm`` CPU ops (what its ``cpu_ops_per_mb`` adds).
+    ``gpu=True``: a MoE GPU trace's density: per op, a CPU op with an allocation nested in it, its
+    ``cudaLaunchKernel`` and the ac2g flow, and its kernel on stream 7 of device 0 (names from
+    MOE_OPS and MOE_KERNELS), about 1.9 kB of JSON per op; the kernels keep the range's device busy."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = trace.to_dict()
+    if gpu:
+        doc["deviceProperties"] = [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "totalGlobalMem": 85045477376,
+                                    "computeMajor": 9, "computeMinor": 0, "numSms": 132}]
+    events = doc.pop("traceEvents")
+    ranges = [e for e in events if e["name"].startswith("compute:")]
+    start = np.array([round(e["ts"] * 1000) for e in ranges], dtype=np.int64)
+    dur = np.array([round(e["dur"] * 1000) for e in ranges], dtype=np.int64)
+    which = np.repeat(np.arange(len(ranges)), ops_per_range)
+    k = np.tile(np.arange(ops_per_range, dtype=np.int64), len(ranges))
+    tmp = path.with_name(path.name + ".tmp")
+    opener = gzip.open(tmp, "wb", compresslevel=1) if path.name.endswith(".gz") else open(tmp, "wb")
+    with opener as out:
+        out.write(orjson.dumps(doc)[:-1] + b', "traceEvents": [\n  ')
+        out.write(b",\n  ".join(orjson.dumps(e, option=orjson.OPT_INDENT_2).replace(b"\n", b"\n  ") for e in events))
+        for a in range(0, len(k), _DENSE_CHUNK_OPS):
+            rows = slice(a, a + _DENSE_CHUNK_OPS)
+            r = which[rows]
+            for text in _dense_events(trace, start[r], dur[r], k[rows], ops_per_range, trace._ext + 1 + a, gpu):
+                offsets = np.frombuffer(text.buffers()[1], dtype=np.int32, count=len(text) + 1, offset=4 * text.offset)
+                out.write(memoryview(text.buffers()[2])[offsets[0]:offsets[-1]])
+        out.write(b"\n  ]}\n")
+    tmp.replace(path)
+    return path

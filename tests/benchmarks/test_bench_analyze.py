@@ -28,11 +28,18 @@ def test_quick_mode_measures_every_mode(tmp_path):
         for name in ("orjson", "pptrace cold", "pptrace cached"):
             assert res[name]["wall_s"] > 0, (name, res[name])
             assert res[name]["tree_mb"] >= res[name]["peak_mb"] > 10  # a Python process at least
+        for name in ("pptrace cold", "pptrace cached"):  # pptrace's phases, the analysis among them
+            assert 0 < res[name]["phases"]["analysing"] < res[name]["wall_s"], res[name]
+        assert "loading traces" in res["pptrace cold"]["phases"]  # cold parses; cached does not
+        assert "loading traces" not in res["pptrace cached"]["phases"]
     targets = [*report["trainer"]["targets"].values(), *report["scale"]["targets"].values()]
     if "hta" in report["gpu"]:  # HTA installed
         targets += report["gpu"]["targets"].values()
     assert all(t["pass"] in (True, False) for t in targets), targets
-    assert len(report["scale"]["targets"]) == 3  # cold and cached time from 2 to 4 ranks, peak
+    # cached/orjson at 2 and 4 ranks; cold, cached and each one's analysis phase per event from
+    # 2 to 4 ranks; the peak
+    assert len(report["scale"]["targets"]) == 7, sorted(report["scale"]["targets"])
+    assert report["scale"]["per_ranks"]["4"]["events"] > report["scale"]["per_ranks"]["2"]["events"]
 
     # The cold runs wrote pptrace's cache; the GPU copies carry ranks 0 and 1.
     gpu_run = next(tmp_path.glob("gpu-*"))
@@ -40,3 +47,41 @@ def test_quick_mode_measures_every_mode(tmp_path):
     for r in (0, 1):
         head = gzip.open(gpu_run / "traces" / f"rank{r}.json.gz").read(8192)
         assert int(re.search(rb'"rank":\s*(\d+)', head).group(1)) == r
+
+
+@pytest.mark.slow
+def test_quick_realistic_mode_measures_and_removes_its_runs(tmp_path):
+    """The realistic mode at its --quick size: two sizes generated into --tmp, measured (analyze
+    cold and cached, the page, merge on the larger), then removed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(BENCH), "--quick", "--mode", "realistic", "--tmp", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])["realistic"]
+    small, big = report["per_ranks"]["8"], report["per_ranks"]["16"]
+    assert (small["traces"], big["traces"]) == (8, 16)
+    assert 1.7 < big["json_mb"] / small["json_mb"] < 2.3  # ~1 MB of JSON per rank each
+    assert big["events"] > 50 * big["traces"]  # dense: thousands of events per rank
+    for name in ("pptrace cold", "pptrace cached", "pptrace --html", "pptrace merge"):
+        assert big[name]["wall_s"] > 0 and big[name]["tree_mb"] > 10, (name, big[name])
+    assert big["pptrace merge"]["out_mb"] > 0 and big["pptrace --html"]["html_mb"] > 1
+    assert set(report["targets"]) >= {"cold/orjson 16", "cached 16/8 ranks per byte", "pptrace merge peak GB"}
+    if "error" not in big.get("browser", {"error": ""}):  # playwright and chromium here
+        assert big["browser"]["render_s"] > 0 and 0 < big["browser"]["blocks"] <= 60000
+    assert list(tmp_path.iterdir()) == []  # the generated runs are gone
+
+
+@pytest.mark.slow
+def test_realistic_mode_removes_its_runs_when_killed(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--mode", "realistic", "--tmp", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/moe-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert list(tmp_path.glob("*/moe-*")), "no run was generated"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    assert list(tmp_path.iterdir()) == []
