@@ -157,9 +157,10 @@ def generate_dense(out: Path, ranks: int, *, gpu: bool, ops: int | None = None, 
     shape = (dict(microbatches=REALISTIC_MICROBATCHES, steps=REALISTIC_STEPS, fwd_us=REALISTIC_FWD_US,
                   bwd_us=REALISTIC_BWD_US) if gpu else dict(microbatches=8, steps=(1, 2), fwd_us=20_000, bwd_us=40_000))
     traces, _ = pipeline_traces(pp=pp, dp=ranks // pp, **shape)
-    if gpu:  # ops per compute range for rank_mb MB; every rank has as many ranges
+    if gpu:  # ops per compute range for rank_mb MB beside the skeleton's own; every rank has as many ranges
         ranges = sum(e["name"].startswith("compute:") for e in traces[0].events)
-        ops = max(1, round(rank_mb * MB / GPU_OP_BYTES / ranges))
+        room = rank_mb * MB - len(traces[0].dumps())
+        ops = max(1, round(room / GPU_OP_BYTES / ranges))
     jobs = [(t, out / "traces" / f"rank{t.rank}.json.gz", ops, gpu) for t in traces]
     with Pool(min(len(jobs), os.cpu_count() or 1)) as pool:
         for _ in pool.imap_unordered(_write_rank, jobs):

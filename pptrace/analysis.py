@@ -122,6 +122,15 @@ def _slice_means(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
+def _by_rank(table: pd.DataFrame, ranks=None) -> tuple:
+    """``table`` sorted by rank (its order within a rank kept), ``ranks`` (default: the
+    table's) and where each one's rows begin and end in it: a rank's rows are one slice."""
+    table = table.iloc[np.argsort(table["rank"].to_numpy(), kind="stable")]
+    column = table["rank"].to_numpy(np.int64)
+    ranks = np.unique(column) if ranks is None else np.asarray(ranks, np.int64)
+    return table, ranks, np.searchsorted(column, ranks), np.searchsorted(column, ranks, side="right")
+
+
 def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits: pd.DataFrame) -> list[dict]:
     out = []
     # rank -> {dim: {wait_s, transfer_s}}: the table's records once (JSON output, not analysis)
@@ -132,18 +141,14 @@ def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits
     # pp_bubble_or_transfer only in a run where some peer is not loaded: the document of a whole run is unchanged
     parts_of = [*PARTS, UNSPLIT] if UNSPLIT in table and table[UNSPLIT].any() else list(PARTS)
     hidden_of = [f"hidden_{d}" for d in COMM_DIMS]
-    # every rank's rows as one slice of the table sorted by rank (its order within a rank
-    # kept), read out of whole columns: one pass, not a filter of the table per rank
-    table = table.iloc[np.argsort(table["rank"].to_numpy(), kind="stable")]
+    # every rank's rows one slice of whole columns: one pass, not a filter of the table per rank
     chosen = None if ranks is None else set(ranks)
     wanted = [r for r in run.ranks if chosen is None or r in chosen]
-    rank_col = table["rank"].to_numpy()
-    bounds = np.searchsorted(rank_col, np.asarray(wanted, np.int64))
-    ends = np.searchsorted(rank_col, np.asarray(wanted, np.int64), side="right")
-    steps_col, time_col = table["step"].to_numpy().tolist(), table["time_s"].to_numpy(np.float64)
+    table, _, bounds, ends = _by_rank(table, wanted)
+    cols = {name: table[name].to_numpy(np.float64) for name in ("time_s", *parts_of, *hidden_of)}
+    steps_col, time_col = table["step"].to_numpy().tolist(), cols["time_s"]
     records = table[parts_of].to_dict("records")
     hidden_records = table[hidden_of].set_axis(list(COMM_DIMS), axis=1).to_dict("records")
-    cols = {name: table[name].to_numpy(np.float64) for name in ("time_s", *parts_of, *hidden_of)}
     means = {name: _slice_means(col, bounds, ends) for name, col in cols.items()}
     on_gpu_rows = _gpu_rows(gpu)
     for i, rank in enumerate(wanted):
@@ -178,15 +183,16 @@ def _rank_entries(run: Run, table: pd.DataFrame, ranks, gpu: pd.DataFrame, waits
 
 
 def _gpu_rows(gpu: pd.DataFrame) -> dict:
-    """rank -> ({step: its GPU timeline row}, the rank's mean of each field) of the GPU table."""
+    """rank -> ({step: its GPU timeline record}, the rank's mean of each field): the table
+    sorted by rank once, each rank's rows one slice (means as _slice_means gives them)."""
     if not len(gpu):
         return {}
-    out = {}
-    for rank, mine in gpu.groupby("rank", sort=False):  # GPU runs: a few ranks' traces
-        by_step = mine.set_index("step")
-        out[int(rank)] = ({step: by_step.loc[step] for step in by_step.index},
-                          {k: by_step[k].astype(float).mean() for k in _GPU_FIELDS})
-    return out
+    table, ranks, starts, ends = _by_rank(gpu)
+    means = {k: _slice_means(table[k].to_numpy(np.float64), starts, ends) for k in _GPU_FIELDS}
+    records = table[[*_GPU_FIELDS, "launch_bound"]].to_dict("records")
+    steps = table["step"].tolist()
+    return {int(r): (dict(zip(steps[a:b], records[a:b])), {k: means[k][i] for k in _GPU_FIELDS})
+            for i, (r, a, b) in enumerate(zip(ranks, starts, ends))}
 
 
 def _microbatch_rows(run: Run, times: pd.DataFrame) -> list[dict]:

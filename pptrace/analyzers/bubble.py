@@ -311,10 +311,16 @@ def pipeline_stages(run, partitions, latency: dict | None = None) -> tuple[pd.Da
     phases = _phase_bubble(partitions, times)
     world = run.layout.world_size
     stage_of = {r: run.layout.coords(r).pp for r in run.ranks if r < world}
-    row_stage = np.array([stage_of.get(int(r), -1) for r in partitions.rank], np.int64)
+    # per partition: its stage (-1 off the layout) and bubble_split's latency part (-1: none)
+    stages = np.full(max(max(run.ranks, default=-1), int(partitions.rank.max(initial=-1))) + 1, -1, np.int64)
+    stages[list(stage_of)] = list(stage_of.values())
+    row_stage = stages[partitions.rank]
     wall, unsplit, bubble_ns = partitions.wall_ns, partitions.unsplit_ns, partitions.totals("pp_bubble")
-    row_latency = np.array([latency.get(key, -1) for key in zip(partitions.rank.tolist(), partitions.step.tolist())],
-                           np.int64)
+    owed_at = np.array(list(latency), np.int64).reshape(-1, 2)
+    pos = pd.MultiIndex.from_arrays([owed_at[:, 0], owed_at[:, 1]]).get_indexer(
+        pd.MultiIndex.from_arrays([partitions.rank, partitions.step])) if len(latency) else np.full(len(partitions), -1)
+    row_latency = np.where(pos >= 0, np.fromiter(latency.values(), np.int64, len(latency))[np.maximum(pos, 0)]
+                           if len(latency) else -1, -1)
     by_chunk = _per_microbatch_by_chunk(times)
     absent = missing_stages(run) if p > 1 else []
     rows = []

@@ -10,24 +10,21 @@ braces); the loader then falls back to parsing the whole document, never to a wr
 Slices are decoded by msgspec into :class:`~pptrace.ingest.schema.RawEvent` structs that declare
 only the fields the table needs (everything else is skipped, never built); a slice msgspec
 rejects (invalid UTF-8, NaN, an odd value) is parsed by orjson/json into dicts instead, which
-give the same table. The header (top-level metadata) is read without the events
-(:func:`read_header`), from the cache where an entry is valid.
+give the same table. The header (top-level metadata) alone is header.py's to read.
 
 The loader slices a trace while it reads and inflates it (:class:`StreamedTrace`: a few MB of
 the document in memory, never all of it), by the same cut rule as the whole buffer
 (:func:`_cuts`), hence the same slices and table; what that cannot read (a damaged gzip, a
 BOM, an array that does not end, a cut inside an event) is read whole as before.
 
-One module though past 500 lines: reading the bytes, locating the events, slicing (whole or
-streamed), decoding, and salvaging a damaged document (too deep, not UTF-8, cut short) are
-one job on one buffer, whose offsets every part shares.
+Reading the bytes, locating the events, slicing (whole or streamed), decoding, and salvaging
+a damaged document (too deep, not UTF-8, cut short) stay one module: one job on one buffer,
+whose offsets every part shares.
 """
 from __future__ import annotations
 
 import itertools
 import json
-import math
-import re
 import zlib
 from pathlib import Path
 from typing import NamedTuple
@@ -39,16 +36,14 @@ import orjson
 from ..errors import TraceError
 from .files import GZIP_MAGIC, RawPieces, TruncatedGzip, gunzip, inflated_pieces, open_trace, size_limit
 from .schema import RawEvent
-from .store import lookup, probe_of
+from .store import probe_of
 
 #: Separators between events, most specific first: Kineto's indented output, then compact.
 _SEPARATORS = (b"\n  },\n  {", b"}, {", b"},{")
 #: Slices of ~256 KB stay in the CPU caches while they are decoded: 1.4x faster than 4 MB.
 _CHUNK_BYTES = 256 << 10
-_HEADER_PEEK = 1 << 20
 _SLICE_JUNK = b", \n\t\r"  # around the events of a slice
 _EVENTS_KEY = b'"traceEvents"'
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _BOM = b"\xef\xbb\xbf"
 #: Deeper values than this are replaced by null before decoding: real traces nest a few
 #: levels (Input Dims is a list of lists), and the decoders recurse per level (msgspec
@@ -499,173 +494,3 @@ def _array_opening(head: bytes) -> int:
     if between.strip(b" \t\r\n:"):
         raise Unstreamable("no events array after traceEvents")
     return bracket
-
-
-def normalize_header(header: dict, path: Path) -> dict:
-    block = header.get("pptrace")
-    if isinstance(block, str):  # add_metadata_json may leave the value as a string
-        try:
-            block = _orjson(block)
-        except orjson.JSONDecodeError:
-            block = None
-    header = dict(header)
-    header["pptrace"] = block if isinstance(block, dict) else None
-    dist = header.get("distributedInfo")
-    header["distributedInfo"] = dist if isinstance(dist, dict) else None
-    return header
-
-
-def _head_and_tail(path: Path, enough: tuple = ()) -> bytes | None:
-    """The first and the last ``_HEADER_PEEK`` bytes of the (decompressed) trace joined at
-    the events array's opening bracket, or the whole document when it is that small: what
-    :func:`_locate_events` needs to see the metadata on both sides of ``traceEvents``
-    (pptrace's own traces carry the pptrace block before the events; Kineto writes its
-    top-level metadata after them). The events between are streamed past, never parsed.
-    ``enough``: keys any of which, found before the events, makes the head alone the answer
-    (a document with its events array emptied): no inflating a .gz to its end for them."""
-    raw, st = open_trace(path)
-    with raw:
-        gz = raw.peek(2)[:2] == GZIP_MAGIC
-        if gz:  # inflated within the limits, a window at a time
-            pieces = iter(lambda: raw.read(_HEADER_PEEK), b"")
-            windows = _windows(inflated_pieces(pieces, path, st.st_size), _HEADER_PEEK)
-        read = (lambda: next(windows, b"")) if gz else (lambda: raw.read(_HEADER_PEEK))
-        head = _strip_bom(read())
-        if enough and (alone := _head_alone(head, enough)) is not None:
-            return alone
-        if not gz:  # straight to the end: the events between are never read
-            raw.seek(max(raw.tell(), st.st_size - _HEADER_PEEK))
-        tail = read()
-        if len(tail) < _HEADER_PEEK:  # the whole document (a plain file's seek stayed put)
-            return head + tail
-        while gz:  # keep only the last window: bounded memory on any trace size
-            more = read()
-            if not more:
-                break
-            tail = tail[len(more):] + more if len(more) < _HEADER_PEEK else more
-    bracket = _events_bracket(head)
-    return head[: bracket + 1] + tail if bracket >= 0 else None
-
-
-def _windows(pieces, size: int):
-    """The bytes of ``pieces`` again, ``size`` at a time (the last one shorter)."""
-    buffer = b""
-    for piece in pieces:
-        buffer += piece
-        while len(buffer) >= size:
-            yield buffer[:size]
-            buffer = buffer[size:]
-    if buffer:
-        yield buffer
-
-
-def _events_bracket(head: bytes) -> int:
-    """Where the events array opens in the first bytes of a trace (-1: not there)."""
-    key = head.find(_EVENTS_KEY)
-    return head.find(b"[", key) if key >= 0 else -1
-
-
-def _head_alone(head: bytes, enough: tuple) -> bytes | None:
-    """The metadata before the events as a document of its own, if it holds any of ``enough``."""
-    bracket = _events_bracket(head)
-    if bracket < 0:
-        return None
-    alone = head[: bracket + 1] + b"]}"
-    try:
-        found = orjson.loads(alone)
-    except orjson.JSONDecodeError:
-        return None
-    return alone if isinstance(found, dict) and any(found.get(k) is not None for k in enough) else None
-
-
-def read_header(path, *, cached: bool = False, enough: tuple = (), entries=None) -> dict:
-    """The top-level metadata of a trace (distributedInfo, pptrace block, baseTimeNanoseconds,
-    ...) wherever it sits, before or after ``traceEvents``, without building the events
-    table. The one reader of headers: :func:`load_rank` gets its header from the same
-    :func:`_locate_events` split of the whole document and keeps it in its meta, so that
-    with ``cached`` a valid cache entry gives it without decompressing the trace (reaching
-    the metadata after the events of a .gz means inflating all of it). ``enough``: keys
-    written together (torch.profiler's add_metadata_json keys, which Kineto writes before
-    the events); when the metadata before the events has one of them, the rest of the
-    header (Kineto's baseTimeNanoseconds, traceName, after the events) is not read, and a
-    key of ``enough`` that a rewritten file moved after the events is missed: the caller
-    gets it from the load's full header (run.load_run). ``entries``: the cache as the caller's
-    load sees it (store.Entries), for many headers in a row."""
-    path = Path(path)
-    header = _cached_header(path, entries) if cached else None
-    if header is not None:
-        return _checked(header, path)
-    try:
-        ends = _head_and_tail(path, enough)
-    except (OSError, EOFError, zlib.error):
-        ends = None
-    header = None
-    located = _locate_events(ends) if ends else None
-    if located is not None and located.end is not None:
-        try:
-            header = _orjson(located.head)
-        except orjson.JSONDecodeError:
-            pass
-    if not isinstance(header, dict):
-        header, _, _ = parse_document(path)  # odd layouts, truncated or corrupt files
-    return _checked(normalize_header(header, path), path)
-
-
-def _cached_header(path: Path, entries=None) -> dict | None:
-    found = entries.lookup(path) if entries is not None else lookup(path)
-    header = found[1].get("header") if found is not None else None
-    return header if isinstance(header, dict) else None
-
-
-def _checked(header: dict, path: Path) -> dict:
-    writer = _pptrace_output(header)
-    if writer is not None:
-        raise TraceError(
-            f"{path}: written by `{writer}`, not one rank's trace; keep pptrace's outputs outside "
-            "the traces directory"
-        )
-    return header
-
-
-def _pptrace_output(header: dict) -> str | None:
-    """The pptrace command that wrote this trace when it is pptrace's own output (the
-    metadata export/perfetto.py and whatif/predict.py write), else None: a merged trace or
-    a simulated one in a traces directory is not one more rank."""
-    other = header.get("otherData")
-    if isinstance(other, dict) and isinstance(other.get("pptrace"), dict) \
-            and not header.get("pptrace"):  # (normalized: None where absent)
-        return "pptrace merge"
-    if isinstance(header.get("pptrace_whatif"), dict):
-        return "pptrace whatif --trace"
-    return None
-
-
-def rank_of(header: dict, path) -> int | None:
-    """pptrace block, then distributedInfo, then a ``rank{r}`` in the file name."""
-    for source in (header.get("pptrace") or {}, header.get("distributedInfo") or {}):
-        rank = source.get("rank")
-        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
-            return rank
-    match = _RANK_IN_NAME.search(Path(path).name)
-    return int(match.group(1)) if match else None
-
-
-#: No clock reads this many nanoseconds (year 2116); a base beyond it is corrupt.
-_MAX_BASE_NS = 2**62
-
-
-def base_time(header: dict) -> tuple[int, str | None]:
-    """(Kineto's baseTimeNanoseconds as an int, None), or (0, what is wrong with it) for a
-    value that is no clock ("x", true, 1e30): then the rank's times have no known origin.
-    Absent, it is (0, None): older traces write ts as epoch microseconds and no base."""
-    given = base = header.get("baseTimeNanoseconds")
-    if base is None:
-        return 0, None
-    if isinstance(base, float) and math.isfinite(base) and base == int(base):
-        base = int(base)  # an exporter that writes every number as a double
-    if isinstance(base, int) and not isinstance(base, bool) and 0 <= base < _MAX_BASE_NS:
-        return base, None
-    shown = json.dumps(given) if isinstance(given, (bool, int, float, str)) else type(given).__name__
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    why = "beyond any clock" if isinstance(base, (int, float)) and not isinstance(base, bool) else "not a number"
-    return 0, f"baseTimeNanoseconds is {shown}, {why}"

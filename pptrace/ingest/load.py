@@ -19,7 +19,8 @@ from ..progress import LOAD, phase
 from . import memory, store as cache
 from .cluster import LOCAL, describe, map_jobs
 from .columnar import StoredTable, frame_from_tables, to_arrow
-from .document import StreamedTrace, Unstreamable, base_time, normalize_header, parse_document, rank_of, read_trace
+from .document import StreamedTrace, Unstreamable, parse_document, read_trace
+from .header import base_time, normalize_header, rank_of
 from .files import unchanged, trace_size
 from .frame import build_frame
 

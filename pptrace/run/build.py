@@ -17,7 +17,8 @@ from ..ingest import comm_kernels as comm_kernels_mod, memory
 from .claims import is_count, shape
 from ..errors import TraceError
 from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
-from ..ingest.document import TRUNCATED, rank_of, read_header
+from ..ingest.document import TRUNCATED
+from ..ingest.header import rank_of, read_header
 from ..ingest.files import find_trace_files, group_by_reason
 from ..ingest.load import assemble, load_ranks
 from ..ingest.store import Entries
@@ -66,7 +67,7 @@ def run_headers(path, warnings: list, *, cached: bool = True, layout: Layout | N
     as ``analyze``'s (one set, so that info never describes a run analyze refuses): its trace
     files (symlink loops, FIFOs, pptrace's own outputs skipped with a line, grouped by reason),
     their headers, one believable rank per trace, one run (layouts, world sizes). ``enough``:
-    document.read_header's (the load reads the whole trace later; ``info`` gives () to read
+    header.read_header's (the load reads the whole trace later; ``info`` gives () to read
     every header whole, within the size limits the load would meet)."""
     files = find_trace_files(path)
     by_rank = assign_ranks(_headers(files, warnings, cached=cached, enough=enough, entries=entries), warnings)

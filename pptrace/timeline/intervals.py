@@ -119,16 +119,14 @@ def private_axes(keys, starts, ends) -> np.ndarray:
     """Per row, an offset that moves each key's times onto an axis of its own: after
     adding it, intervals of different keys lie apart (never touching), so that one union,
     intersection or ``covered`` over all keys at once gives each key's own answer. Keys are
-    laid out in sorted order, each a span of all the times given (plus one) apart."""
+    laid out in sorted order, each a span of all the times given (plus one) apart: the
+    rows of :class:`Axes` (below) are the sorted keys."""
     keys, starts, ends = (np.asarray(a, np.int64) for a in (keys, starts, ends))
     if not len(keys):
         return np.zeros(0, np.int64)
-    lo, hi = int(starts.min()), int(max(ends.max(), starts.max()))
     uniq, index = np.unique(keys, return_inverse=True)
-    stride = hi - lo + 1
-    if stride * len(uniq) >= 2**62:
-        raise ValueError(f"times span {stride} ns: too long for {len(uniq)} private axes in int64")
-    return index.astype(np.int64) * stride - lo
+    axes = Axes.over(len(uniq), int(starts.min()), int(max(ends.max(), starts.max())))
+    return index.astype(np.int64) * axes.stride - axes.lo
 
 
 @dataclass(frozen=True)

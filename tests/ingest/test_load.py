@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 import orjson
 
-from pptrace.ingest import document, files, frame, load, store as cache
+from pptrace.ingest import document, files, frame, header, load, store as cache
 from pptrace.ingest.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
 from pptrace.ingest.schema import CATEGORIES, COLUMNS, RawEvent, classify
-from pptrace.ingest.document import read_header
+from pptrace.ingest.header import read_header
 from pptrace.ingest.files import find_trace_files
 from pptrace.ingest.load import load_rank
 from pptrace.run.build import load_run
@@ -496,7 +496,7 @@ def test_rank_assignment_reads_only_the_head_when_it_has_everything(tmp_path):
     for name, doc in (("before", before), ("after", after), ("plain", plain)):
         path = tmp_path / f"{name}.json.gz"
         path.write_bytes(gzip.compress(doc.encode()))
-        assert len(doc) > 2 * document._HEADER_PEEK  # the tail is a separate read
+        assert len(doc) > 2 * header._HEADER_PEEK  # the tail is a separate read
         full = read_header(path)
         assert full["distributedInfo"]["rank"] == 3 and full["baseTimeNanoseconds"] == 7
         enough = read_header(path, enough=("pptrace", "distributedInfo"))
