@@ -1,10 +1,10 @@
 """Sort keys for many lanes at once: searching every thread's (or rank's) timeline with one
 searchsorted instead of one search per lane.
 
-A time is replaced by its dense rank among all the times involved, and the rank offset by
-its lane: ``lane * size + rank`` then sorts as (lane, time), and a lane's keys all lie
-above those of the lanes before it, so a running maximum never leaks from one lane into
-the next.
+A time is offset by its lane: ``lane * span + (time - first)`` sorts as (lane, time), and a
+lane's keys all lie above those of the lanes before it, so a running maximum never leaks
+from one lane into the next. Where lanes times span would pass int64, the time's dense rank
+among all the times involved stands in for it (a sort).
 """
 from __future__ import annotations
 
@@ -22,8 +22,15 @@ def dense_ranks(*arrays) -> tuple[list, int]:
 def lane_keys(lanes: list, times: list) -> list:
     """int64 keys that sort as (lane, time) across all the arrays given (lanes >= 0: a
     thread, a rank), one key array per (lane, time) pair of arrays."""
+    lanes, times = [np.asarray(a, np.int64) for a in lanes], [np.asarray(t, np.int64) for t in times]
+    full = [t for t in times if len(t)]
+    if full:
+        lo, hi = min(int(t.min()) for t in full), max(int(t.max()) for t in full)
+        top = max((int(a.max()) for a in lanes if len(a)), default=0)
+        if (top + 1) * (hi - lo + 1) < 2**62:  # times themselves fit: no sort needed to rank them
+            return [lane * (hi - lo + 1) + (t - lo) for lane, t in zip(lanes, times)]
     ranks, size = dense_ranks(*times)
-    return [np.asarray(lane, np.int64) * size + rank for lane, rank in zip(lanes, ranks)]
+    return [lane * size + rank for lane, rank in zip(lanes, ranks)]
 
 
 def reach_before(lane, end) -> np.ndarray:
@@ -65,10 +72,16 @@ def dominance_max(p_group, p_lo, p_hi, p_w, q_group, q_lo, q_hi) -> np.ndarray:
     span = int(p_w.max()) + 1
     pos = np.arange(n)
     level = 0
+    order = pos
     while (left < right).any():
         block = pos >> level
-        order = np.argsort(block * hi_size + hi_p, kind="stable")
-        key, blk = (block * hi_size + hi_p)[order], block[order]
+        # the last level's order holds each block's two halves sorted: a stable sort of the
+        # keys in that order is one merge per block (timsort), not a sort from scratch, and
+        # ties stay in position order as they would
+        key = (block * hi_size + hi_p)[order]
+        by = np.argsort(key, kind="stable")
+        order, key = order[by], key[by]
+        blk = block[order]
         # suffix maxima within blocks; reversed, each block is offset above the ones after it
         shift = (blk[-1] + 1 - blk) * span
         suffix = np.maximum.accumulate((p_w[order] + shift)[::-1])[::-1] - shift
@@ -91,6 +104,48 @@ def dominance_max(p_group, p_lo, p_hi, p_w, q_group, q_lo, q_hi) -> np.ndarray:
         left >>= 1
         right >>= 1
         level += 1
+    return out
+
+
+def cover_max(p_group, p_lo, p_hi, p_w, q_group, q_t) -> np.ndarray:
+    """Per query time ``q_t``, the largest weight p_w (>= 0) among the intervals [p_lo, p_hi)
+    of its group that contain it; -1 where none does: ``dominance_max`` of the point
+    [q_t, q_t + 1), in O((n + q) log n) array work and two rows of memory.
+
+    The groups' distinct bounds cut their time into pieces; an interval covers a run of
+    pieces, which two aligned-length blocks (one from each end, overlapping) cover exactly,
+    as a sparse table covers a range. Each interval raises its two blocks, then each level
+    hands its maxima down to the two halves of its blocks, so the bottom row holds, per
+    piece, the largest weight over it; a query reads the piece it falls in."""
+    p_group, p_lo, p_hi, p_w = (np.asarray(a, np.int64) for a in (p_group, p_lo, p_hi, p_w))
+    q_group, q_t = np.asarray(q_group, np.int64), np.asarray(q_t, np.int64)
+    real = p_hi > p_lo
+    p_group, p_lo, p_hi, p_w = p_group[real], p_lo[real], p_hi[real], p_w[real]
+    out = np.full(len(q_t), -1, np.int64)
+    if not len(p_lo) or not len(q_t):
+        return out
+    lo_key, hi_key, q_key = lane_keys([p_group, p_group, q_group], [p_lo, p_hi, q_t])
+    bounds = np.sort(np.r_[lo_key, hi_key])
+    bounds = bounds[np.r_[True, bounds[1:] != bounds[:-1]]]  # not np.unique: numpy 2's hashes 10x slower here
+    first, stop = np.searchsorted(bounds, lo_key), np.searchsorted(bounds, hi_key)  # pieces [first, stop)
+    level = np.frexp((stop - first).astype(np.float64))[1].astype(np.int64) - 1  # floor(log2), exactly
+    order = np.argsort(level, kind="stable")
+    level, w = level[order], p_w[order]
+    at, at2 = first[order], stop[order] - np.left_shift(1, level)  # a block from each end
+    cuts = np.searchsorted(level, np.arange(int(level[-1]) + 2))
+    row = np.full(len(bounds), -1, np.int64)
+    for k in range(int(level[-1]), -1, -1):
+        if k < int(level[-1]):  # the level above hands each block's maximum to its two halves
+            half = 1 << k
+            row[half:] = np.maximum(row[half:], row[:-half].copy())
+        a, b = cuts[k], cuts[k + 1]
+        np.maximum.at(row, at[a:b], w[a:b])
+        np.maximum.at(row, at2[a:b], w[a:b])
+    piece = np.searchsorted(bounds, q_key, side="right") - 1
+    # a piece ending a group's last bound is covered by none of its intervals, so a query
+    # past (or before) every bound of its group reads -1 there
+    ok = piece >= 0
+    out[ok] = row[piece[ok]]
     return out
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..timeline.intervals import Intervals, gaps_per_window, private_axes, union
+from ..timeline.intervals import Intervals, from_segments, gaps_per_window, private_axes, segments, union
 from ..timeline.windows import GPU_ACTIVITY, gpu_step_windows
 
 #: a step is flagged launch-bound when at least this share of its GPU idle time is
@@ -44,21 +44,15 @@ COLUMNS = (
 )
 
 
-def _launch_ends(ev: pd.DataFrame, work: np.ndarray, host: np.ndarray, shift: np.ndarray) -> pd.Series:
+def _launch_ends(rank, corr, linked, start, end, calls, work) -> pd.Series:
     """GPU activity start -> earliest end of the launch calls of the activities starting
     then (a gap is launch-bound only if none of them was queued before it began). Times on
     the ranks' own axes; a correlation id means something only on its own rank."""
-    linked = ev["correlation"].notna().to_numpy()
-    rank = ev["rank"].to_numpy(np.int64)
-    corr = ev["correlation"].to_numpy(np.int64, na_value=0)
-    calls = host & (ev["category"] == "runtime").to_numpy() & linked
-    launch = pd.Series(ev["end_ns"].to_numpy(np.int64)[calls] + shift[calls],
-                       index=pd.MultiIndex.from_arrays([rank[calls], corr[calls]]))
+    calls, work = calls & linked, work & linked
+    launch = pd.Series(end[calls], index=pd.MultiIndex.from_arrays([rank[calls], corr[calls]]))
     launch = launch[~launch.index.duplicated()]
-    work = work & linked
     ends = launch.reindex(pd.MultiIndex.from_arrays([rank[work], corr[work]])).to_numpy()
-    start = ev["start_ns"].to_numpy(np.int64)[work] + shift[work]
-    table = pd.DataFrame({"start": start, "launch_end": ends}).dropna()
+    table = pd.DataFrame({"start": start[work], "launch_end": ends}).dropna()
     return table.groupby("start")["launch_end"].min()
 
 
@@ -77,31 +71,47 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     w_step = np.array([s for _, s in keys], np.int64)
     w_start = np.array([windows[k].start_ns for k in keys], np.int64)
     w_end = np.array([windows[k].end_ns for k in keys], np.int64)
-    ranks = events["rank"].to_numpy(np.int64)
-    offset = private_axes(np.concatenate([ranks, w_rank]),
-                          np.concatenate([events["start_ns"].to_numpy(np.int64), w_start]),
-                          np.concatenate([events["end_ns"].to_numpy(np.int64), w_end]))
+    # the GPU's work and the host's launch calls only: arrays over every row of a GPU
+    # trace's table were most of this analysis' memory
+    category = events["category"]
+    is_work = category.isin(list(GPU_ACTIVITY)).to_numpy()
+    is_call = (events["lane_kind"] == "host").to_numpy() & (category == "runtime").to_numpy()
+    rows = np.flatnonzero(is_work | is_call)
+    is_work, is_call = is_work[rows], is_call[rows]
+    ranks = events["rank"].to_numpy(np.int64)[rows]
+    start, end = events["start_ns"].to_numpy(np.int64)[rows], events["end_ns"].to_numpy(np.int64)[rows]
+    offset = private_axes(np.concatenate([ranks, w_rank]), np.concatenate([start, w_start]),
+                          np.concatenate([end, w_end]))
     shift, w_shift = offset[:len(ranks)], offset[len(ranks):]
     ws, we = w_start + w_shift, w_end + w_shift
-    cat = events["category"]
-    host = (events["lane_kind"] == "host").to_numpy()
-    start, end = events["start_ns"].to_numpy(np.int64) + shift, events["end_ns"].to_numpy(np.int64) + shift
+    start += shift
+    end += shift
 
     def of(mask) -> Intervals:
         return union(start[mask], end[mask])
 
-    compute = of((cat == "kernel_compute").to_numpy())
-    comm = of((cat == "kernel_comm").to_numpy())
-    memcpy = of((cat == "memcpy").to_numpy())
-    busy = compute | comm | memcpy
-    runtime = of(host & (cat == "runtime").to_numpy())
-    launch_end = _launch_ends(events, cat.isin(list(GPU_ACTIVITY)).to_numpy(), host, shift)
+    def category_is(name: str) -> np.ndarray:
+        return (category == name).to_numpy()[rows]
+
+    compute = of(category_is("kernel_compute"))
+    comm = of(category_is("kernel_comm"))
+    memcpy = of(category_is("memcpy"))
+    # one sweep of the three sets answers every combination below (bit 1 compute, 2 comm, 4 memcpy)
+    lo, hi, member = segments([compute, comm, memcpy])
+    busy = from_segments(lo, hi, member != 0)
+    runtime = of(is_call)
+    correlation = events["correlation"].iloc[rows]
+    launch_end = _launch_ends(ranks, correlation.to_numpy(np.int64, na_value=0), correlation.notna().to_numpy(),
+                              start, end, is_call, is_work)
 
     def within(s: Intervals) -> np.ndarray:
         return s.covered(ws, we)
 
+    def where(keep: np.ndarray) -> np.ndarray:
+        return within(from_segments(lo, hi, keep))
+
     c, m, mem, b = within(compute), within(comm), within(memcpy), within(busy)
-    overlap = within(comm & compute)
+    overlap = where((member & 3) == 3)
     g_win, g_start, g_end = gaps_per_window(ws, we, busy)
     bound = np.zeros(len(g_win), bool)
     if len(g_win) and len(launch_end):
@@ -119,8 +129,8 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
         "busy_s": b / 1e9, "compute_s": c / 1e9, "comm_s": m / 1e9,
         "overlap_s": overlap / 1e9,
         "overlap_pct": pct if (m > 0).any() else np.full(len(keys), None, object),
-        "comm_exposed_s": within(comm - compute) / 1e9, "memcpy_s": mem / 1e9,
-        "memcpy_exposed_s": within(memcpy - compute - comm) / 1e9, "idle_s": idle / 1e9,
+        "comm_exposed_s": where((member & 3) == 2) / 1e9, "memcpy_s": mem / 1e9,
+        "memcpy_exposed_s": where(member == 4) / 1e9, "idle_s": idle / 1e9,
         "launch_bound_s": waited / 1e9, "host_launching_s": within(waiting & runtime) / 1e9,
         "launch_bound": is_launch_bound(idle, window, waited),
     })

@@ -29,7 +29,7 @@ from ..ingest.schema import tags_of
 from ..ingest.nccl import group_members, is_p2p_collective
 from .projection import KERNEL_CATEGORIES, gpu_extent
 from .intervals import Intervals, union_by_group
-from ..sweeps import dense_ranks, dominance_max
+from ..sweeps import cover_max, dense_ranks, dominance_max
 from ..vocab import COMM_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
@@ -195,8 +195,8 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
                     & (rng["end"] > rng["start"])).to_numpy()]
     # innermost: the latest start, then the first row, as weights ranking the ranges
     contract = contract.iloc[np.lexsort((-contract["row"].to_numpy(), contract["start"].to_numpy()))]
-    inner = dominance_max(contract["group"].to_numpy(), contract["start"].to_numpy(), contract["end"].to_numpy(),
-                           np.arange(len(contract)), group[work], t, t + 1)
+    inner = cover_max(contract["group"].to_numpy(), contract["start"].to_numpy(), contract["end"].to_numpy(),
+                      np.arange(len(contract)), group[work], t)
     found = inner >= 0
     work, inner = work[found], contract.iloc[inner[found]]
     category = inner["category"].astype(str)
@@ -263,7 +263,8 @@ def _innermost_compute(rng: pd.DataFrame) -> tuple:
     order = np.lexsort((b_time, b_lane))
     b_lane, b_time = b_lane[order], b_time[order]
     seg = np.flatnonzero((b_lane[1:] == b_lane[:-1]) & (b_time[1:] > b_time[:-1]))
-    best = dominance_max(lane, starts, ends, weight, b_lane[seg], b_time[seg], b_time[seg + 1])
+    # the pieces lie between consecutive bounds: a range over a piece's start spans all of it
+    best = cover_max(lane, starts, ends, weight, b_lane[seg], b_time[seg])
     seg = seg[(best >= 0) & (best % 2 == 1)]
     return lane_group[b_lane[seg]], b_time[seg], b_time[seg + 1]
 

@@ -35,13 +35,14 @@ class Intervals:
 
     def covered(self, starts, ends) -> np.ndarray:
         """Per query [start, end): how much of it the set covers (vectorised)."""
-        return self._covered_before(np.asarray(ends, np.int64)) - self._covered_before(np.asarray(starts, np.int64))
-
-    def _covered_before(self, t: np.ndarray) -> np.ndarray:
-        """Per time t: the set's length before t."""
+        ends, starts = np.asarray(ends, np.int64), np.asarray(starts, np.int64)
         if not len(self):
-            return np.zeros(len(t), np.int64)
+            return np.zeros(np.broadcast(starts, ends).shape, np.int64)
         done = np.r_[0, np.cumsum(self.ends - self.starts)]  # length of the first k intervals
+        return self._covered_before(ends, done) - self._covered_before(starts, done)
+
+    def _covered_before(self, t: np.ndarray, done: np.ndarray) -> np.ndarray:
+        """Per time t: the set's length before t."""
         k = np.searchsorted(self.starts, t, side="right")  # intervals starting at or before t
         last = np.maximum(k - 1, 0)
         partial = np.clip(t - self.starts[last], 0, self.ends[last] - self.starts[last])
@@ -227,24 +228,46 @@ def flat(sets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return group, starts.astype(np.int64), ends.astype(np.int64)
 
 
-def _boundaries(a: Intervals, b: Intervals):
-    """Elementary segments between all boundaries, and whether each lies in a / in b."""
-    points = np.sort(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
-    points = points[np.r_[True, points[1:] != points[:-1]]] if len(points) else points
-    if len(points) < 2:
-        return None
-    lo, hi = points[:-1], points[1:]
+def _bounds(s: Intervals) -> np.ndarray:
+    """starts[0], ends[0], starts[1], ...: non-decreasing, since the set is sorted and disjoint."""
+    out = np.empty(2 * len(s), np.int64)
+    out[0::2], out[1::2] = s.starts, s.ends
+    return out
 
-    def inside(s: Intervals):
-        if len(s) == 0:
-            return np.zeros(len(lo), bool)
-        idx = np.searchsorted(s.starts, lo, side="right") - 1
-        ok = idx >= 0
-        res = np.zeros(len(lo), bool)
-        res[ok] = lo[ok] < s.ends[idx[ok]]
-        return res
 
-    return lo, hi, inside(a), inside(b)
+def segments(sets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The elementary segments between all the bounds of ``sets`` (at most 63) and, per
+    segment, which sets it lies in: bit k of ``member`` for ``sets[k]`` -> (lo, hi, member).
+    Any boolean combination of the sets is then a mask over the segments (``from_segments``),
+    so many set operations over the same sets cost one sweep."""
+    if len(sets) > 63:
+        raise ValueError(f"{len(sets)} sets: at most 63 fit the membership bits")
+    bits = np.uint8 if len(sets) <= 8 else np.uint16 if len(sets) <= 16 else np.uint32 if len(sets) <= 32 else np.uint64
+    bounds = np.concatenate([np.zeros(0, np.int64), *(_bounds(s) for s in sets)])
+    # each set's bounds are already sorted (_bounds): a stable sort (timsort) merges the
+    # runs, where sorting every start and end from scratch was n log n
+    order = np.argsort(bounds, kind="stable")
+    points = bounds[order]
+    del bounds  # large inputs: hold as few whole copies at once as can be
+    # every bound toggles its set: a start enters, an end leaves, and where two intervals
+    # touch the two bounds cancel; a segment's sets are the toggles up to its start
+    bit = np.left_shift(np.ones(1, bits), np.arange(len(sets), dtype=bits))
+    member = np.repeat(bit, [2 * len(s) for s in sets])[order]
+    del order
+    member = np.bitwise_xor.accumulate(member)
+    last = np.r_[points[1:] != points[:-1], True] if len(points) else np.zeros(0, bool)
+    points, member = points[last], member[last]
+    return points[:-1], points[1:], member[:-1]
+
+
+def from_segments(lo: np.ndarray, hi: np.ndarray, keep: np.ndarray) -> Intervals:
+    """The set made of the segments ``keep`` selects (``segments``' lo and hi: sorted and
+    disjoint already, so touching ones are only joined, as union() joins them)."""
+    lo, hi = lo[keep], hi[keep]
+    if not len(lo):
+        return Intervals.empty()
+    first = np.r_[True, lo[1:] != hi[:-1]]
+    return Intervals(lo[first], hi[np.r_[first[1:], True]])
 
 
 def gaps_per_window(w_start, w_end, busy: Intervals):
@@ -252,11 +275,9 @@ def gaps_per_window(w_start, w_end, busy: Intervals):
     free, as maximal runs that never cross into the next window -> (window index, starts,
     ends). ``Intervals.span(start, end) - busy`` for every window in one sweep."""
     w_start, w_end = np.asarray(w_start, np.int64), np.asarray(w_end, np.int64)
-    seg = _boundaries(Intervals(w_start, w_end), busy)  # not union(): touching windows stay apart
-    if seg is None:
-        return (np.zeros(0, np.int64),) * 3
-    lo, hi, in_window, taken = seg
-    free = in_window & ~taken
+    # not union(): touching windows stay apart
+    lo, hi, member = segments([Intervals(w_start, w_end), busy])
+    free = member == 1  # in a window, not busy
     lo, hi = lo[free], hi[free]
     win = np.searchsorted(w_start, lo, side="right") - 1
     if not len(lo):
@@ -266,34 +287,32 @@ def gaps_per_window(w_start, w_end, busy: Intervals):
     return win[first], lo[first], hi[np.append(first[1:], True)]
 
 
-def _select(a: Intervals, b: Intervals, rule) -> Intervals:
-    seg = _boundaries(a, b)
-    if seg is None:
-        return Intervals.empty()
-    lo, hi, in_a, in_b = seg
-    keep = rule(in_a, in_b)
-    return union(lo[keep], hi[keep])
-
-
 def intersect(a: Intervals, b: Intervals) -> Intervals:
-    return _select(a, b, lambda x, y: x & y)
+    lo, hi, member = segments([a, b])
+    return from_segments(lo, hi, member == 3)
 
 
 def subtract(a: Intervals, b: Intervals) -> Intervals:
-    return _select(a, b, lambda x, y: x & ~y)
+    lo, hi, member = segments([a, b])
+    return from_segments(lo, hi, member == 1)
 
 
 def partition(window, parts: list[tuple[str, Intervals]], rest: str):
     """Sweep ``parts`` in priority order over ``window`` (Intervals, or one (start, end)):
     each part keeps what no earlier part took. Returns {name: Intervals}; ``rest`` gets what
     nobody took, so the totals sum to the window's length exactly. Placed on Axes, one call
-    sweeps every row's window at once."""
+    sweeps every row's window at once; all parts are one sweep (``segments``)."""
     window = window if isinstance(window, Intervals) else Intervals.span(*window)
-    taken = Intervals.empty()
+    lo, hi, member = segments([window, *(intervals for _, intervals in parts)])
+    inside = (member & 1).astype(bool)
+    # the first part over a segment takes it (-1: nobody's)
+    owner = np.full(len(lo), -1, np.int64)
+    for k in range(len(parts) - 1, -1, -1):
+        owner[((member >> (k + 1)) & 1).astype(bool)] = k
+    names = [name for name, _ in parts]
     out = {}
-    for name, intervals in parts:
-        mine = (intervals & window) - taken
-        out[name] = (out[name] | mine) if name in out else mine
-        taken = taken | mine
-    out[rest] = window - taken
+    for name in dict.fromkeys(names):  # a name given twice owns both its parts' segments
+        mine = inside & np.isin(owner, [k for k, n in enumerate(names) if n == name])
+        out[name] = from_segments(lo, hi, mine)
+    out[rest] = from_segments(lo, hi, inside & (owner < 0))
     return out

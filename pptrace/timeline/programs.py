@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..schedules.replay import Msg, Op, replay
+from ..sweeps import reach_before, running_max
 from ..vocab import COMM_CATEGORIES
 
 #: The main thread's work units: what it replays and what a critical path runs through; a
@@ -28,56 +28,18 @@ def main_thread_work(events: pd.DataFrame, steps=None, categories=WORK_CATEGORIE
     return keep
 
 
-def measured_programs(start, end, is_pp, index, bounds, messages: dict) -> list[list[Op]]:
-    """Per rank of one step (``bounds``: where each rank's rows begin and end in the arrays,
-    which hold that step's main-thread ranges inside its window, each rank's sorted by start
-    then longest first), the ops it ran in its measured order: each top-level range a "run"
-    of its measured duration (ns; ranges inside a pass are part of the pass), each matched
-    pipeline p2p op (``is_pp``) a "post" where it began and a "wait" where it ended. Ranges
-    nested in an open p2p op (ZB-H1's W passes, Megatron's overlap_p2p_comm) so run between
-    posting and waiting, as they did. ``messages``: event index -> the Msgs of its matched
-    pairs (``pair_messages``); an unmatched op has nobody to wait for and is left out."""
-    return [_measured_program(start[a:b], end[a:b], is_pp[a:b], index[a:b], messages)
-            for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def _measured_program(start, end, is_pp, index, messages: dict) -> list[Op]:
-    # top-level: begins at or after the end of every earlier range that is not a p2p op
-    reach = np.maximum.accumulate(np.where(is_pp, np.iinfo(np.int64).min, end))
-    top = ~is_pp & (start >= np.concatenate(([np.iinfo(np.int64).min], reach[:-1])))
-    post, run = np.flatnonzero(is_pp), np.flatnonzero(top)
-    # at one instant a range that ends there comes before one that begins there, except a
-    # range's own end, which follows its beginning
-    time = np.concatenate((start[post], end[post], start[run]))
-    klass = np.concatenate((np.ones(post.size, np.int64), np.where(end[post] > start[post], 0, 2),
-                            np.ones(run.size, np.int64)))
-    row = np.concatenate((post, post, run))
-    order = np.lexsort((row, klass, time))
-    kind = np.repeat([0, 1, 2], [post.size, post.size, run.size])[order].tolist()
-    row = row[order].tolist()
-    index, duration = index.tolist(), (end - start).tolist()
-    return [Op("post", msgs=messages[index[i]], handle=index[i]) if k == 0
-            else Op("wait", handle=index[i]) if k == 1 else Op("run", duration=duration[i])
-            for k, i in zip(kind, row)]
-
-
-def pair_messages(pairs: pd.DataFrame) -> dict:
-    """Event index -> the Msgs (one per matched pair it is a side of) it posts."""
-    out: dict = {}
-    tags = [pd.to_numeric(pairs[c], errors="coerce").fillna(-1).astype(np.int64).tolist()
-            for c in ("src", "dst", "mb", "chunk", "send_index", "recv_index")]
-    for pair, (direction, src, dst, mb, chunk, send, recv) in enumerate(zip(pairs["direction"].astype(str), *tags)):
-        for index, is_send in ((send, True), (recv, False)):
-            out[index] = out.get(index, ()) + (Msg(direction, is_send, src, dst, mb, chunk, pair),)
-    return out
-
-
 def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
     """step -> the end of that step's pipeline window (ns, measured clock; ``windows``: step
     -> (start, end)) had p2p been free and host gaps zero: the step's measured programs
     replayed with their pass durations, zero latency and eager sends, every rank starting
     at the window's start. Steps the replay cannot follow (a wait whose matched peer op is
-    never posted) are left out.
+    never posted: a deadlock) are left out.
+
+    Each rank's measured program is the ranges it ran on its main thread in their measured
+    order: each top-level range a "run" of its measured duration (ranges inside a pass are
+    part of the pass), each matched pipeline p2p op a "post" where it began and a "wait"
+    where it ended. Ranges nested in an open p2p op (ZB-H1's W passes, Megatron's
+    overlap_p2p_comm) so run between posting and waiting, as they did.
 
     Free p2p is the schedule's pure data dependencies (the closed forms' model): a recv
     completes the moment its matched send has been posted, and a send never holds its
@@ -90,12 +52,21 @@ def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
     latency and host gaps added, including their knock-on effects: a pass that started
     before a late message arrived and then held it up (ZB-H1 places its W passes to fill the
     bubble of a latency-free pipeline) starts where it would have without the latency. A
-    critical-path sum of transfers and gaps misses those."""
+    critical-path sum of transfers and gaps misses those.
+
+    It is what :func:`~pptrace.schedules.replay.replay` gives these programs (eager sends, no
+    latency), computed for every rank and step at once: an op's clock is its program's
+    running sum of durations, raised by the latest wait that held it up, so a program's
+    clocks are one running maximum; the waits whose senders' posts are settled settle each
+    round, and a round settles at least one wait, so the rounds number the longest chain of
+    messages, not the ops."""
     ev = run.events
     steps = list(windows)
     keep = main_thread_work(ev, steps)
-    messages = pair_messages(pairs[pairs["step"].isin(steps).to_numpy()])
-    work = ev[keep]
+    sel = pairs[pairs["step"].isin(steps).to_numpy()]
+    send_of = pd.to_numeric(sel["send_index"], errors="coerce").fillna(-1).to_numpy(np.int64)
+    recv_of = pd.to_numeric(sel["recv_index"], errors="coerce").fillna(-1).to_numpy(np.int64)
+    work = ev.loc[keep, ["rank", "step", "start_ns", "end_ns", "category", "kind"]]
     step = work["step"].to_numpy(np.int64)
     start, end = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
     # each step's ranges inside its window, as one selection (not a frame per rank and step)
@@ -107,22 +78,70 @@ def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
     rank, step, start, end = work["rank"].to_numpy(np.int64)[inside], step[inside], start[inside], end[inside]
     index = work.index.to_numpy()[inside]
     is_pp = ((work["category"] == "p2p") & (work["kind"] == "pp")).to_numpy()[inside] \
-        & np.isin(index, np.fromiter(messages, np.int64, len(messages)))
+        & np.isin(index, np.r_[send_of, recv_of])
     # by step, rank, start, longest first; stable: equal spans keep the trace's order
     order = np.lexsort((-end, start, rank, step))
     rank, step, start, end, index, is_pp = (a[order] for a in (rank, step, start, end, index, is_pp))
-    cuts = np.flatnonzero((np.diff(step) != 0) | (np.diff(rank) != 0)) + 1
-    groups = np.concatenate(([0], cuts, [step.size])) if step.size else np.zeros(1, np.int64)
-    group_step = step[groups[:-1]]
+    program = np.cumsum(np.r_[False, (np.diff(step) != 0) | (np.diff(rank) != 0)]) if len(step) else step
+
+    # -- every program's ops: a post and a wait per p2p op, a run per top-level range ----
+    # top-level: begins at or after the end of every earlier range that is not a p2p op
+    top = ~is_pp & (start >= reach_before(program, np.where(is_pp, np.iinfo(np.int64).min, end)))
+    post, runs = np.flatnonzero(is_pp), np.flatnonzero(top)
+    # at one instant a range that ends there comes before one that begins there, except a
+    # range's own end, which follows its beginning
+    row = np.r_[post, post, runs]
+    klass = np.r_[np.ones(len(post), np.int64), np.where(end[post] > start[post], 0, 2), np.ones(len(runs), np.int64)]
+    op_kind = np.repeat([_POST, _WAIT, _RUN], [len(post), len(post), len(runs)])
+    order = np.lexsort((row, klass, np.r_[start[post], end[post], start[runs]], program[row]))
+    row, op_kind = row[order], op_kind[order]
+    op_program = program[row]
+    duration = np.where(op_kind == _RUN, end[row] - start[row], 0)
+    # clocks from 0 at the window's start, durations in integer ns: exact sums
+    ran = np.cumsum(duration)
+    first = np.r_[True, op_program[1:] != op_program[:-1]] if len(row) else np.zeros(0, bool)
+    ran -= np.maximum.accumulate(np.where(first, ran - duration, 0))  # restart at each program
+
+    # -- each recv's wait on its sender's post ----------------------------------------------
+    op_of = {kind: pd.Series(np.flatnonzero(op_kind == kind), index=index[row[op_kind == kind]])
+             for kind in (_POST, _WAIT)}
+    wait_op = op_of[_WAIT].reindex(recv_of).to_numpy()
+    post_op = op_of[_POST].reindex(send_of).to_numpy()
+    edge = ~np.isnan(wait_op)
+    wait_op, post_op = wait_op[edge].astype(np.int64), post_op[edge]
+    # a sender not replayed, or replayed in another step, is never posted: that wait blocks
+    never = np.isnan(post_op)
+    post_op = np.where(never, 0, post_op).astype(np.int64)
+    never |= step[row[post_op]] != step[row[wait_op]]
+
+    blocked = np.zeros(len(row), bool)
+    blocked[wait_op] = True
+    held = np.zeros(len(row), np.int64)  # what settled waits wait for (0: nothing)
+    while True:
+        clock = ran + np.maximum(running_max(op_program, held - ran), 0)
+        # an op's clock is settled when no wait before it in its program is still blocked
+        settled = running_max(op_program, blocked.astype(np.int64)) == 0
+        ready = ~never & settled[post_op]
+        # a wait settles once every one of its senders has posted
+        unready = np.zeros(len(row), bool)
+        unready[wait_op[~ready]] = True
+        newly = blocked & ~unready
+        if not newly.any():
+            break
+        now = newly[wait_op]  # (every edge of a newly settled wait is ready)
+        np.maximum.at(held, wait_op[now], clock[post_op[now]])
+        blocked &= ~newly
+    clock = ran + np.maximum(running_max(op_program, held - ran), 0)
+
+    # -- per step: the latest clock; a step with a wait that never settled deadlocked ------
     out = {}
+    stuck = set(step[row[blocked]].tolist())
+    last = np.zeros(len(known), np.int64)
+    np.maximum.at(last, np.searchsorted(known, step[row]), clock)
     for s in np.unique(work["step"].to_numpy(np.int64)).tolist():  # a step with none inside replays empty
-        mine = np.flatnonzero(group_step == s)
-        bounds = np.append(groups[mine], groups[mine[-1] + 1]) if mine.size else np.zeros(1, np.int64)
-        # Durations in integer ns and clocks from 0 at the window's start: exact sums.
-        try:
-            rows = replay(measured_programs(start, end, is_pp, index, bounds, messages),
-                          lambda op, stage: op.duration, lambda msg: 0, sends="eager")
-        except ValueError:
-            continue
-        out[int(s)] = windows[int(s)][0] + max((row[5] for row in rows), default=0)
+        if s not in stuck:
+            out[int(s)] = windows[int(s)][0] + int(last[np.searchsorted(known, s)])
     return out
+
+
+_POST, _WAIT, _RUN = 0, 1, 2

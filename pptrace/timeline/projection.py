@@ -24,12 +24,14 @@ def drawn_ranges(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     gpu_user_annotation copies of host ranges left out. A trace with no such ranges (a
     plain GPU trace) draws its kernels (KERNEL_CATEGORIES) instead, so the page is still a
     timeline."""
-    ev = events if steps is None else events[events["step"].isin(list(steps))]
-    drawn = ev[ev["category"].isin(DRAWN_CATEGORIES)]
-    if "gpu_annotation" in drawn.columns:
-        drawn = drawn[~drawn["gpu_annotation"].astype(bool)]
+    # masks first, one copy of the rows kept: a copy of the table per filter was most of the cost
+    in_steps = np.ones(len(events), bool) if steps is None else events["step"].isin(list(steps)).to_numpy()
+    mask = in_steps & events["category"].isin(DRAWN_CATEGORIES).to_numpy()
+    if "gpu_annotation" in events.columns:
+        mask &= ~events["gpu_annotation"].astype(bool).to_numpy()
+    drawn = events[mask]
     if drawn.empty:
-        return ev[ev["category"].isin(KERNEL_CATEGORIES)].copy()
+        return events[in_steps & events["category"].isin(KERNEL_CATEGORIES).to_numpy()].copy()
     start, end, projected = gpu_extent(events, drawn)
     return drawn.assign(start_ns=start, end_ns=end, dur_ns=np.where(projected, end - start, drawn["dur_ns"]))
 
@@ -44,12 +46,14 @@ def gpu_extent(events: pd.DataFrame, rows: pd.DataFrame) -> tuple[np.ndarray, np
     found = np.zeros(len(rows), bool)
     if "gpu_annotation" not in events.columns or rows.empty:
         return start, end, found
-    ann = events[events["gpu_annotation"].to_numpy() & events["external_id"].notna().to_numpy()]
+    ann = events.loc[events["gpu_annotation"].to_numpy() & events["external_id"].notna().to_numpy(),
+                     ["rank", "external_id", "start_ns", "end_ns"]]
     _take(ann, "external_id", rows, start, end, found)
     # NCCL send/recv ops of plain traces (nccl.infer_nccl_p2p) carry their kernel's
     # correlation: Kineto projects no range around them, the kernel is their extent
     if {"correlation", "is_nccl"} <= set(events.columns) and (~found).any() and rows["correlation"].notna().any():
-        _take(events[events["is_nccl"].to_numpy() & events["correlation"].notna().to_numpy()],
+        _take(events.loc[events["is_nccl"].to_numpy() & events["correlation"].notna().to_numpy(),
+                         ["rank", "correlation", "start_ns", "end_ns"]],
               "correlation", rows, start, end, found)
     return start, end, found
 

@@ -51,7 +51,10 @@ def host_step_windows(events: pd.DataFrame, steps=None) -> dict:
 
 def gpu_step_windows(events: pd.DataFrame, steps=None) -> dict:
     """(rank, step) -> Window of each step's GPU work, for ranks that have GPU work."""
-    work = events[events["category"].isin(list(GPU_ACTIVITY)).to_numpy() & (events["step"] >= 0).to_numpy()]
+    # the four columns only: a whole-row copy of most of a GPU trace's table cost more
+    # than the grouping
+    work = events.loc[events["category"].isin(list(GPU_ACTIVITY)).to_numpy() & (events["step"] >= 0).to_numpy(),
+                      ["rank", "step", "start_ns", "end_ns"]]
     if work.empty:
         return {}
     g = (work.groupby(["rank", "step"], observed=True)
@@ -81,11 +84,12 @@ def pipeline_windows(events: pd.DataFrame, pp: int) -> dict:
     """step -> Window from the first pipeline op's start to the last one's end, across all stages."""
     if pp <= 1:
         return {}
-    host = events[(events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy()
-                  & (events["step"] >= 0).to_numpy()]
-    pipe = ((host["category"] == "p2p").to_numpy()
-            | ((host["category"] == "compute").to_numpy() & host["op"].isin(PIPELINE_COMPUTE).to_numpy()))
-    ops = host[pipe]
+    host = ((events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy()
+            & (events["step"] >= 0).to_numpy())
+    cat = events["category"]
+    pipe = ((cat == "p2p").to_numpy()
+            | ((cat == "compute").to_numpy() & events["op"].isin(PIPELINE_COMPUTE).to_numpy()))
+    ops = events[host & pipe]
     if ops.empty:
         return {}
     start, end, _ = gpu_extent(events, ops)  # GPU traces: where the work ran, not its launch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.sweeps import dense_ranks, dominance_max, inside, lane_keys, reach_before, running_max
+from pptrace.sweeps import cover_max, dense_ranks, dominance_max, inside, lane_keys, reach_before, running_max
 
 I64_MIN = np.iinfo(np.int64).min
 EPOCH = 1_790_000_000_000_000_000  # ns: the size of the times the analyses pass in
@@ -55,11 +55,26 @@ def test_dense_ranks_random_against_sorted_set():
 
 # -- lane_keys ------------------------------------------------------------------------------
 def test_lane_keys_by_hand():
-    # times 10, 5, 5: ranks 1, 0, 0 among {5, 10}, size 3
     k1, k2 = lane_keys([_a(0, 1), _a(1)], [_a(10, 5), _a(5)])
-    assert k1.tolist() == [0 * 3 + 1, 1 * 3 + 0] and k2.tolist() == [3]
-    # lane 0 at the latest time still sorts before lane 1 at the earliest
-    assert k1[0] < k1[1]
+    # lane 0 at the latest time still sorts before lane 1 at the earliest; equal pairs, equal keys
+    assert k1[0] < k1[1] and k1[1] == k2[0]
+
+
+@pytest.mark.parametrize("spread", [10**6, 2**62], ids=["offset times", "ranked times"])
+def test_lane_keys_sort_as_lane_then_time(spread):
+    """Both ways of keying: times offset by their lane where lanes x span fit int64, their
+    dense ranks where not (epoch times beside a sentinel)."""
+    rng = np.random.default_rng(3)
+    lanes = [rng.integers(0, 40, 500), rng.integers(0, 40, 300)]
+    times = [rng.integers(-spread, spread, 500), rng.integers(-spread, spread, 300)]
+    times[1][:100] = times[0][:100]  # equal (lane, time) pairs across the arrays
+    lanes[1][:100] = lanes[0][:100]
+    keys = np.concatenate(lane_keys(lanes, times))
+    lane, time = np.concatenate(lanes), np.concatenate(times)
+    by_pair = np.lexsort((time, lane))
+    assert (np.diff(keys[by_pair]) >= 0).all()
+    same = (np.diff(lane[by_pair]) == 0) & (np.diff(time[by_pair]) == 0)
+    assert ((np.diff(keys[by_pair]) == 0) == same).all()
 
 
 def test_lane_keys_empty():
@@ -211,6 +226,37 @@ def test_dominance_max_leaves_its_inputs_alone():
     args = {k: v.copy() for k, v in POINTS.items()}
     dominance_max(**args, q_group=_a(0), q_lo=_a(3), q_hi=_a(4))
     assert all((args[k] == POINTS[k]).all() for k in POINTS)
+
+
+# -- cover_max ------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 31, 64, 100, 257])
+def test_cover_max_is_dominance_max_of_a_point(n):
+    """Sizes around powers of two: the sparse table's blocks end exactly there; times at
+    epoch size (offset keys) and beside a sentinel (ranked keys)."""
+    rng = np.random.default_rng(200 + n)
+    for trial in range(8):
+        groups = 1 if trial % 4 == 0 else int(rng.integers(2, 5))
+        base = EPOCH if trial % 3 else -(2**62)
+        p_group = rng.integers(0, groups, n)
+        p_lo = base + rng.integers(0, 20, n)
+        p_hi = p_lo + rng.integers(0, 12, n)  # some empty: they cover nothing
+        p_w = rng.permutation(n) if trial % 2 else rng.integers(0, 4, n)
+        m = 3 * n + 5
+        q_group = rng.integers(0, groups + 1, m)
+        q_t = base + rng.integers(-2, 34, m)
+        pick = rng.integers(0, n, m // 2)  # queries on a point's own ends
+        q_group[:len(pick)] = p_group[pick]
+        q_t[:len(pick)] = np.where(rng.random(len(pick)) < 0.5, p_lo[pick], p_hi[pick])
+        if trial % 3 == 0:
+            q_t[-1] = 2**62  # a sentinel beside the rest: ranked keys
+        want = dominance_max(p_group, p_lo, p_hi, p_w, q_group, q_t, q_t + 1)
+        assert cover_max(p_group, p_lo, p_hi, p_w, q_group, q_t).tolist() == want.tolist(), (n, trial)
+
+
+def test_cover_max_empty_inputs():
+    none = np.zeros(0, np.int64)
+    assert cover_max(none, none, none, none, _a(0, 1), _a(1, 2)).tolist() == [-1, -1]
+    assert cover_max(**POINTS, q_group=none, q_t=none).tolist() == []
 
 
 # -- inside ---------------------------------------------------------------------------------

@@ -82,3 +82,30 @@ def test_partition_of_many_rows_at_once_sums_each_row():
 def test_axes_refuse_a_span_int64_cannot_hold():
     with pytest.raises(ValueError, match="too long"):
         Axes.over(1 << 20, 0, 1 << 45)
+
+
+def _touching_set(rng, n) -> Intervals:
+    """Sorted, disjoint, and some neighbours touching (end == next start), as sets built
+    without union() (windows, placed rows) are: each bound has to count."""
+    cuts = np.unique(rng.integers(0, 200, 2 * n))
+    starts, ends = cuts[:-1], cuts[1:]
+    keep = rng.random(len(starts)) < 0.6
+    return Intervals(starts[keep].astype(np.int64), ends[keep].astype(np.int64))
+
+
+def _mask(s: Intervals) -> np.ndarray:
+    m = np.zeros(200, bool)
+    for a, b in zip(s.starts, s.ends):
+        m[a:b] = True
+    return m
+
+
+def test_set_operations_equal_a_mask_of_every_nanosecond():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        a, b = _touching_set(rng, int(rng.integers(0, 12))), _touching_set(rng, int(rng.integers(0, 12)))
+        for got, want in ((a & b, _mask(a) & _mask(b)), (a - b, _mask(a) & ~_mask(b)),
+                          (a | b, _mask(a) | _mask(b))):
+            assert (_mask(got) == want).all()
+            # the answer is a proper set: sorted, no empty interval, neighbours apart
+            assert (got.ends > got.starts).all() and (got.starts[1:] > got.ends[:-1]).all()
