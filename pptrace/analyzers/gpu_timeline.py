@@ -56,13 +56,19 @@ def _launch_ends(rank, corr, linked, start, end, calls, work) -> pd.Series:
     return table.groupby("start")["launch_end"].min()
 
 
+#: rows of GPU work and launch calls swept at once: whole ranks are taken together up to
+#: about this many, so the sweep's memory stays bounded however many ranks a run has
+CHUNK_ROWS = 1 << 18
+
+
 def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     """One row per (rank, step) with GPU work: see COLUMNS (seconds; overlap in % of the
     NCCL kernel time that ran under compute kernels).
 
-    All ranks at once: each rank's times move onto an axis of its own (intervals.py
+    Many ranks at once: each rank's times move onto an axis of its own (intervals.py
     ``private_axes``), so one union, intersection or sweep serves every rank, and each
-    window's share of a set is read with ``covered``."""
+    window's share of a set is read with ``covered``; ranks are taken CHUNK_ROWS rows at a
+    time."""
     windows = gpu_step_windows(events, steps)
     if not windows:
         return pd.DataFrame(columns=list(COLUMNS))
@@ -74,12 +80,44 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     # the GPU's work and the host's launch calls only: arrays over every row of a GPU
     # trace's table were most of this analysis' memory
     category = events["category"]
-    is_work = category.isin(list(GPU_ACTIVITY)).to_numpy()
+    kinds = {name: (category == name).to_numpy() for name in ("kernel_compute", "kernel_comm", "memcpy")}
+    is_work = kinds["kernel_compute"] | kinds["kernel_comm"] | kinds["memcpy"]
     is_call = (events["lane_kind"] == "host").to_numpy() & (category == "runtime").to_numpy()
     rows = np.flatnonzero(is_work | is_call)
-    is_work, is_call = is_work[rows], is_call[rows]
     ranks = events["rank"].to_numpy(np.int64)[rows]
-    start, end = events["start_ns"].to_numpy(np.int64)[rows], events["end_ns"].to_numpy(np.int64)[rows]
+    by_rank = np.argsort(ranks, kind="stable")  # the table is by rank already: a linear pass
+    rows, ranks = rows[by_rank], ranks[by_rank]
+    # cut between ranks, about CHUNK_ROWS rows apart
+    first = np.searchsorted(ranks, w_rank[np.r_[True, w_rank[1:] != w_rank[:-1]]])
+    cuts = [0, *first[np.r_[False, np.diff(first // CHUNK_ROWS) > 0]].tolist(), len(rows)]
+    columns = {"start": events["start_ns"].to_numpy(np.int64), "end": events["end_ns"].to_numpy(np.int64),
+               "correlation": events["correlation"], "is_work": is_work, "is_call": is_call, **kinds}
+    # each chunk's windows: those of its ranks (the windows tile as the rows do)
+    w_cuts = [0, *np.searchsorted(w_rank, ranks[cuts[1:-1]]).tolist(), len(w_rank)]
+    parts = [_sweep(columns, rows[a:b], ranks[a:b], w_rank[c:d], w_start[c:d], w_end[c:d])
+             for a, b, c, d in zip(cuts[:-1], cuts[1:], w_cuts[:-1], w_cuts[1:])]
+    got = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+    window = w_end - w_start
+    m = got["comm"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pct = np.where(m > 0, 100.0 * got["overlap"] / np.where(m > 0, m, 1), np.nan)
+    table = pd.DataFrame({
+        "rank": w_rank, "step": w_step, "start_ns": w_start, "end_ns": w_end, "time_s": window / 1e9,
+        "busy_s": got["busy"] / 1e9, "compute_s": got["compute"] / 1e9, "comm_s": m / 1e9,
+        "overlap_s": got["overlap"] / 1e9,
+        "overlap_pct": pct if (m > 0).any() else np.full(len(keys), None, object),
+        "comm_exposed_s": got["comm_exposed"] / 1e9, "memcpy_s": got["memcpy"] / 1e9,
+        "memcpy_exposed_s": got["memcpy_exposed"] / 1e9, "idle_s": got["idle"] / 1e9,
+        "launch_bound_s": got["waited"] / 1e9, "host_launching_s": got["host_launching"] / 1e9,
+        "launch_bound": is_launch_bound(got["idle"], window, got["waited"]),
+    })
+    return table[list(COLUMNS)]
+
+
+def _sweep(columns: dict, rows: np.ndarray, ranks: np.ndarray, w_rank, w_start, w_end) -> dict:
+    """ns of each measure in each window (w_*: windows of the ranks ``rows`` belong to, and
+    maybe of ranks without rows), from the GPU work and launch calls ``rows`` of ``columns``."""
+    start, end = columns["start"][rows], columns["end"][rows]
     offset = private_axes(np.concatenate([ranks, w_rank]), np.concatenate([start, w_start]),
                           np.concatenate([end, w_end]))
     shift, w_shift = offset[:len(ranks)], offset[len(ranks):]
@@ -90,19 +128,17 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     def of(mask) -> Intervals:
         return union(start[mask], end[mask])
 
-    def category_is(name: str) -> np.ndarray:
-        return (category == name).to_numpy()[rows]
-
-    compute = of(category_is("kernel_compute"))
-    comm = of(category_is("kernel_comm"))
-    memcpy = of(category_is("memcpy"))
+    is_call = columns["is_call"][rows]
+    compute = of(columns["kernel_compute"][rows])
+    comm = of(columns["kernel_comm"][rows])
+    memcpy = of(columns["memcpy"][rows])
     # one sweep of the three sets answers every combination below (bit 1 compute, 2 comm, 4 memcpy)
     lo, hi, member = segments([compute, comm, memcpy])
     busy = from_segments(lo, hi, member != 0)
     runtime = of(is_call)
-    correlation = events["correlation"].iloc[rows]
+    correlation = columns["correlation"].iloc[rows]
     launch_end = _launch_ends(ranks, correlation.to_numpy(np.int64, na_value=0), correlation.notna().to_numpy(),
-                              start, end, is_call, is_work)
+                              start, end, is_call, columns["is_work"][rows])
 
     def within(s: Intervals) -> np.ndarray:
         return s.covered(ws, we)
@@ -110,28 +146,15 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     def where(keep: np.ndarray) -> np.ndarray:
         return within(from_segments(lo, hi, keep))
 
-    c, m, mem, b = within(compute), within(comm), within(memcpy), within(busy)
-    overlap = where((member & 3) == 3)
     g_win, g_start, g_end = gaps_per_window(ws, we, busy)
     bound = np.zeros(len(g_win), bool)
     if len(g_win) and len(launch_end):
         ends = launch_end.reindex(g_end).to_numpy(dtype=float)
         bound = ~np.isnan(ends) & (ends > g_start)
     waiting = union(g_start[bound], g_end[bound])
-    idle = np.zeros(len(keys), np.int64)
+    idle = np.zeros(len(ws), np.int64)
     np.add.at(idle, g_win, g_end - g_start)
-    waited = within(waiting)
-    window = w_end - w_start
-    with np.errstate(divide="ignore", invalid="ignore"):
-        pct = np.where(m > 0, 100.0 * overlap / np.where(m > 0, m, 1), np.nan)
-    table = pd.DataFrame({
-        "rank": w_rank, "step": w_step, "start_ns": w_start, "end_ns": w_end, "time_s": window / 1e9,
-        "busy_s": b / 1e9, "compute_s": c / 1e9, "comm_s": m / 1e9,
-        "overlap_s": overlap / 1e9,
-        "overlap_pct": pct if (m > 0).any() else np.full(len(keys), None, object),
-        "comm_exposed_s": where((member & 3) == 2) / 1e9, "memcpy_s": mem / 1e9,
-        "memcpy_exposed_s": where(member == 4) / 1e9, "idle_s": idle / 1e9,
-        "launch_bound_s": waited / 1e9, "host_launching_s": within(waiting & runtime) / 1e9,
-        "launch_bound": is_launch_bound(idle, window, waited),
-    })
-    return table[list(COLUMNS)]
+    return {"compute": within(compute), "comm": within(comm), "memcpy": within(memcpy), "busy": within(busy),
+            "overlap": where((member & 3) == 3), "comm_exposed": where((member & 3) == 2),
+            "memcpy_exposed": where(member == 4), "idle": idle, "waited": within(waiting),
+            "host_launching": within(waiting & runtime)}

@@ -107,6 +107,16 @@ def test_gpu_timeline_of_all_ranks_is_each_ranks_own(run):
     pd.testing.assert_frame_equal(together, alone, check_exact=True)
 
 
+def test_gpu_timeline_swept_a_rank_at_a_time_is_the_same(run, monkeypatch):
+    """Ranks are swept CHUNK_ROWS rows at a time so that memory stays bounded: chunks of one
+    rank (one row) give the table of one sweep over all of them."""
+    import pptrace.analyzers.gpu_timeline as module
+
+    whole = gpu_timeline(run.events)
+    monkeypatch.setattr(module, "CHUNK_ROWS", 1)
+    pd.testing.assert_frame_equal(gpu_timeline(run.events), whole, check_exact=True)
+
+
 def test_sendrecv_kernel_of_an_all_to_all_is_a_collective():
     """NCCL runs all_to_all as SendRecv kernels: the launching op decides, not the name."""
     t = RankTrace(rank=0, layout=Layout(dp=2), steps=[1])
