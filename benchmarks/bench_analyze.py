@@ -105,6 +105,9 @@ with sync_playwright() as p:
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file://") else r.abort())
     page.goto(html.resolve().as_uri())
+    # figures are drawn as they scroll into view: at 128 ranks what precedes the timeline
+    # can push it below the first screen, where it would never be drawn
+    page.evaluate("() => { const gd = document.getElementById('fig-timeline'); if (gd) gd.scrollIntoView(); }")
     page.wait_for_function("() => { const gd = document.getElementById('fig-timeline'); return !gd || gd._fullLayout; }",
                            timeout=120000)
     notes = page.locator("#timeline .fig-notes li")

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from .analyzers.bubble import bubble_split, microbatch_times, missing_stages, pipeline_stages
-from .analyzers.collectives import collectives_by_dim, waits_by_rank
+from .analyzers.collectives import collectives_by_dim, profiled_waits, waits_by_rank
 from .analyzers.compute_by_pass import PASS_KINDS, compute_by_pass
 from .analyzers.critical_path import step_bounds
 from .analyzers.ep_pairs import EpPairs, ep_pairs, pair_means
@@ -284,6 +284,11 @@ class Analysis:
             inst = inst[inst["step"].isin(list(steps))]
         return inst
 
+    @cached_property
+    def _waits(self) -> pd.DataFrame:
+        """Every collective instance's wait and transfer per rank, once for the tables that read them."""
+        return profiled_waits(self._selected_run, self._instances)
+
     @property
     def _n_steps(self) -> int:
         return max(len(self._selected_run.steps), 1)
@@ -313,12 +318,12 @@ class Analysis:
     @cached_property
     def collectives(self) -> pd.DataFrame:
         chosen = self.partitions if self._ranks is None else self.partitions.take(np.isin(self.partitions.rank, self._ranks))
-        return collectives_by_dim(self._selected_run, chosen, self._instances)
+        return collectives_by_dim(self._selected_run, chosen, self._instances, self._waits)
 
     @cached_property
     def rank_collectives(self) -> pd.DataFrame:
         """Per (rank, dim): collective wait and transfer per step (waits_by_rank)."""
-        return waits_by_rank(self._selected_run, self._instances)
+        return waits_by_rank(self._selected_run, self._instances, self._waits)
 
     @cached_property
     def experts(self) -> pd.DataFrame:
@@ -335,7 +340,7 @@ class Analysis:
 
     @cached_property
     def _ep_pairs(self) -> EpPairs:
-        return ep_pairs(self._selected_run, self._instances)
+        return ep_pairs(self._selected_run, self._instances, self._waits)
 
     @cached_property
     def ep_pairs(self) -> pd.DataFrame:

@@ -3,7 +3,7 @@ searchsorted instead of one search per lane.
 
 A time is offset by its lane: ``lane * span + (time - first)`` sorts as (lane, time), and a
 lane's keys all lie above those of the lanes before it, so a running maximum never leaks
-from one lane into the next. Where lanes times span would pass int64, the time's dense rank
+from one lane into the next. Where lanes x span would pass int64, the time's dense rank
 among all the times involved stands in for it (a sort).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def lane_keys(lanes: list, times: list) -> list:
     full = [t for t in times if len(t)]
     if full:
         lo, hi = min(int(t.min()) for t in full), max(int(t.max()) for t in full)
-        top = max((int(a.max()) for a in lanes if len(a)), default=0)
+        top = max((max(abs(int(a.min())), abs(int(a.max()))) for a in lanes if len(a)), default=0)
         if (top + 1) * (hi - lo + 1) < 2**62:  # times themselves fit: no sort needed to rank them
             return [lane * (hi - lo + 1) + (t - lo) for lane, t in zip(lanes, times)]
     ranks, size = dense_ranks(*times)

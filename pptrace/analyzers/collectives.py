@@ -89,11 +89,12 @@ def _kernel_dims(run, waits: pd.DataFrame) -> np.ndarray:
     return found[codes]
 
 
-def waits_by_rank(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+def waits_by_rank(run, inst: pd.DataFrame | None = None, waits: pd.DataFrame | None = None) -> pd.DataFrame:
     """rank, dim, wait_s, transfer_s: each rank's collective time per profiled step (mean),
     waiting for the group's last arrival vs after it. Under expert imbalance the ranks of
-    the lighter experts wait in the combine for the one with the most tokens."""
-    waits = profiled_waits(run, inst)
+    the lighter experts wait in the combine for the one with the most tokens. ``waits``:
+    ``profiled_waits(run, inst)`` where the caller has it already."""
+    waits = profiled_waits(run, inst) if waits is None else waits
     columns = ["rank", "dim", "wait_s", "transfer_s"]
     if waits.empty:
         return pd.DataFrame(columns=columns)
@@ -103,15 +104,17 @@ def waits_by_rank(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
                          "wait_s": out["wait_ns"] / n_steps / 1e9, "transfer_s": out["transfer_ns"] / n_steps / 1e9})
 
 
-def collectives_by_dim(run, partitions, inst: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per dimension with communication: per rank per step means."""
+def collectives_by_dim(run, partitions, inst: pd.DataFrame | None = None,
+                       waits: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per dimension with communication: per rank per step means (``waits`` as in
+    waits_by_rank)."""
     ev = run.events
     calls = ev[ev["category"].isin(COMM_CATEGORIES) & (ev["lane_kind"] == "host")
                & ~ev["gpu_annotation"] & (ev["step"] >= 0)]
     if run.steps:
         calls = calls[calls["step"].isin(list(run.steps))]
     n_rank_steps = max(len(partitions), 1)
-    waits = profiled_waits(run, inst)
+    waits = profiled_waits(run, inst) if waits is None else waits
     rows = []
     for dim in COMM_DIMS:
         mine = calls[calls["kind"] == dim]

@@ -109,10 +109,12 @@ def _explode(rows: pd.DataFrame, offsets, lengths, peers, sent, got) -> pd.DataF
     })
 
 
-def ep_pairs(run, inst: pd.DataFrame | None = None) -> EpPairs:
+def ep_pairs(run, inst: pd.DataFrame | None = None, waits: pd.DataFrame | None = None) -> EpPairs:
     """The ep pair matrix of ``run``'s profiled steps (``inst``: its collective instances,
-    default ``run.collectives``). Empty without ep collectives."""
-    waits = profiled_waits(run, inst if inst is not None else run.collectives)
+    default ``run.collectives``; ``waits``: their ``profiled_waits`` where the caller has
+    them already). Empty without ep collectives."""
+    if waits is None:
+        waits = profiled_waits(run, inst if inst is not None else run.collectives)
     empty = EpPairs(pd.DataFrame(columns=list(COLUMNS)), ())
     if waits.empty or not (waits["dim"] == "ep").any():
         return empty
