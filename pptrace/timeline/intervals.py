@@ -304,15 +304,23 @@ def partition(window, parts: list[tuple[str, Intervals]], rest: str):
     sweeps every row's window at once; all parts are one sweep (``segments``)."""
     window = window if isinstance(window, Intervals) else Intervals.span(*window)
     lo, hi, member = segments([window, *(intervals for _, intervals in parts)])
-    inside = (member & 1).astype(bool)
-    # the first part over a segment takes it (-1: nobody's)
-    owner = np.full(len(lo), -1, np.int64)
-    for k in range(len(parts) - 1, -1, -1):
-        owner[((member >> (k + 1)) & 1).astype(bool)] = k
-    names = [name for name, _ in parts]
-    out = {}
-    for name in dict.fromkeys(names):  # a name given twice owns both its parts' segments
-        mine = inside & np.isin(owner, [k for k, n in enumerate(names) if n == name])
-        out[name] = from_segments(lo, hi, mine)
-    out[rest] = from_segments(lo, hi, inside & (owner < 0))
-    return out
+    names = list(dict.fromkeys(name for name, _ in parts))  # a name given twice owns both parts
+    # each segment's label: the name of the first part over it, ``rest`` (len(names)) inside
+    # the window where none is, len(names) + 1 outside; read from a table of every membership
+    # value where there are few (one pass), else part by part
+    claim = np.array([names.index(name) for name, _ in parts] + [len(names)], np.int64)
+    if member.dtype.itemsize <= 2:
+        value = np.arange(1 << (8 * member.dtype.itemsize), dtype=np.int64)
+        taken = value >> 1
+        first = np.where(taken > 0, np.log2(np.maximum(taken & -taken, 1)).astype(np.int64), len(parts))
+        first = np.minimum(first, len(parts))  # (bits past the parts never occur)
+        label = np.where(value & 1, claim[first], len(names) + 1).astype(np.int8)[member]
+    else:
+        first = np.full(len(lo), len(parts), np.int64)
+        for k in range(len(parts) - 1, -1, -1):
+            first[((member >> (k + 1)) & 1).astype(bool)] = k
+        label = np.where(member & 1, claim[first], len(names) + 1)
+    order = np.argsort(label, kind="stable")  # small ints: a radix sort, time order kept within a label
+    cuts = np.searchsorted(label[order], np.arange(len(names) + 2))
+    return {name: from_segments(lo[order[cuts[i]:cuts[i + 1]]], hi[order[cuts[i]:cuts[i + 1]]], slice(None))
+            for i, name in enumerate([*names, rest])}

@@ -109,3 +109,25 @@ def test_set_operations_equal_a_mask_of_every_nanosecond():
             assert (_mask(got) == want).all()
             # the answer is a proper set: sorted, no empty interval, neighbours apart
             assert (got.ends > got.starts).all() and (got.starts[1:] > got.ends[:-1]).all()
+
+
+@pytest.mark.parametrize("n_parts", [1, 3, 7, 12])
+def test_partition_gives_each_nanosecond_to_the_first_part_over_it(n_parts):
+    """Up to 7 parts (8 sets) are labelled from a table of membership values, more part by
+    part: both against a mask of every nanosecond, a name given twice included."""
+    rng = np.random.default_rng(n_parts)
+    for _ in range(50):
+        window = _touching_set(rng, int(rng.integers(1, 6)))
+        names = [f"p{int(rng.integers(0, max(n_parts - 1, 1)))}" for _ in range(n_parts)]
+        parts = [(name, _touching_set(rng, int(rng.integers(0, 8)))) for name in names]
+        got = partition(window, parts, rest="rest")
+        free = _mask(window)
+        want = {name: np.zeros(200, bool) for name in names}
+        for name, intervals in parts:
+            mine = free & _mask(intervals)
+            want[name] |= mine
+            free &= ~mine
+        want["rest"] = free
+        assert set(got) == set(want)
+        for name in want:
+            assert (_mask(got[name]) == want[name]).all(), name
