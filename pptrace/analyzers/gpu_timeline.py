@@ -80,8 +80,8 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     # the GPU's work and the host's launch calls only: arrays over every row of a GPU
     # trace's table were most of this analysis' memory
     category = events["category"]
-    kinds = {name: (category == name).to_numpy() for name in ("kernel_compute", "kernel_comm", "memcpy")}
-    is_work = kinds["kernel_compute"] | kinds["kernel_comm"] | kinds["memcpy"]
+    kinds = {name: (category == name).to_numpy() for name in GPU_ACTIVITY}
+    is_work = np.logical_or.reduce(list(kinds.values()))
     is_call = (events["lane_kind"] == "host").to_numpy() & (category == "runtime").to_numpy()
     rows = np.flatnonzero(is_work | is_call)
     ranks = events["rank"].to_numpy(np.int64)[rows]
