@@ -181,19 +181,50 @@ def ensure(out: Path, cmd: list[str]) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     t = time.perf_counter()
+    # its own process group: the generator's pool workers end with it, not after our cleanup
+    proc = subprocess.Popen(cmd + [str(tmp)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(cmd + [str(tmp)], cwd=ROOT, capture_output=True, text=True)
+        stdout, stderr = proc.communicate()
     except BaseException:
+        end_group(proc.pid)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if done.returncode != 0:
+    if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"generating {out} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise SystemExit(f"generating {out} failed:\n{stdout[-2000:]}{stderr[-2000:]}")
     tmp.rename(out)
     seconds = time.perf_counter() - t
     print(f"generated {out} in {seconds:.0f} s", file=sys.stderr)
     (out / "generated_s").write_text(f"{seconds:.1f}\n")
     return out
+
+
+def end_group(pgid: int, wait_s: float = 10.0) -> None:
+    """SIGKILL process group ``pgid`` and return once none of it runs any more. A kill is
+    delivered asynchronously: a pool worker of a killed generator could otherwise still
+    re-create the directory (its writer's mkdir) just after the caller removed it."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        alive = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":  # state, pgrp; zombies run nothing
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.01)
 
 
 # -- measuring -------------------------------------------------------------------------------
@@ -250,8 +281,8 @@ def measure(cmd: list[str], cap_mb: float | None = None) -> dict:
         sampler.start()
         try:
             _, status, usage = os.wait4(proc.pid, 0)  # usage: this child and its reaped descendants
-        except BaseException:  # Ctrl-C: the command's group is ours to end
-            os.killpg(proc.pid, signal.SIGKILL)
+        except BaseException:  # Ctrl-C: the command's group is ours to end, before the caller cleans up
+            end_group(proc.pid)
             raise
         finally:
             state["done"].set()

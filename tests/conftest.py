@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import box
 from pptrace.topology import Layout
 from tracegen import STAGE0, STAGE1, run_from_docs, trace_doc
 
@@ -27,23 +28,40 @@ def hta_fixtures() -> Path:
     return FIXTURES
 
 
-def shared_run(tmp_path_factory, name: str, make) -> Path:
-    """``make(out)`` once per test session, whatever the number of pytest-xdist workers: in
-    the directory the workers share, under a file lock, marked done only once it returned
-    (a worker that died half-way leaves it to be made again). -> ``out``."""
-    from filelock import FileLock
-
+def _workers_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # pytest-N/, above each worker's popen-gwK/
-    home = root / "shared" / name
+    return root
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, its fixtures' setup and teardown included, holds the box shared with the
+    other worker's tests; a sleep-mode recording takes it alone (tests/box.py)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and box._where is None:
+        # pytest's own tmp_path_factory fixture is this object; a hook cannot request fixtures
+        box.use(_workers_root(item.config._tmp_path_factory) / "box")
+    with box.shared():
+        yield
+
+
+def shared_run(tmp_path_factory, name: str, make) -> Path:
+    """``make(out)`` once per test session, whatever the number of pytest-xdist workers: in
+    the directory the workers share, under a file lock, marked done only once it returned
+    (a worker that died half-way leaves it to be made again), with the box to itself
+    (box.alone: the shared runs are the suite's timing ground truth). -> ``out``."""
+    from filelock import FileLock
+
+    home = _workers_root(tmp_path_factory) / "shared" / name
     home.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(home) + ".lock"):
+    with box.stepped_aside(), FileLock(str(home) + ".lock"):
         done = home.parent / f"{name}.done"
         if not done.exists():
             shutil.rmtree(home, ignore_errors=True)
             home.mkdir()
-            make(home / "run")
+            with box.alone():
+                make(home / "run")
             done.touch()
     return home / "run"
 

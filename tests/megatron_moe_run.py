@@ -273,6 +273,7 @@ def run(out_dir, world: int = 2, layers: int = 2, experts: int = 4, topk: int = 
     """Spawn ``world`` gloo ranks training Megatron's MoE layers; returns the run directory."""
     import torch.multiprocessing as mp
 
+    import box
     from instrumented_model.train import start_method
 
     if world not in (2, 4):
@@ -286,8 +287,9 @@ def run(out_dir, world: int = 2, layers: int = 2, experts: int = 4, topk: int = 
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     sys.path.insert(0, str(Path(__file__).parent))  # megatron_run, for the workers too
-    mp.start_processes(_worker, args=(world, str(out), layers, experts, topk, microbatches, steps, profile_steps,
-                                      hot_expert, skew), nprocs=world, join=True, start_method=start_method())
+    with box.alone():
+        mp.start_processes(_worker, args=(world, str(out), layers, experts, topk, microbatches, steps, profile_steps,
+                                          hot_expert, skew), nprocs=world, join=True, start_method=start_method())
     return out
 
 

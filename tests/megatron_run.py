@@ -359,6 +359,7 @@ def run(out_dir, schedule: str = "1f1b", world: int = 2, microbatches: int = 8, 
     ``nvtx``: Megatron's own NVTX ranges on (see :func:`_megatron_nvtx_on`)."""
     import torch.multiprocessing as mp
 
+    import box
     from instrumented_model.train import start_method
 
     if schedule not in SCHEDULES:
@@ -374,8 +375,10 @@ def run(out_dir, schedule: str = "1f1b", world: int = 2, microbatches: int = 8, 
     out.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    mp.start_processes(_worker, args=(world, str(out), schedule, microbatches, steps, profile_steps, mode,
-                                      fwd_ms, bwd_ms, vpp, nvtx), nprocs=world, join=True, start_method=start_method())
+    with box.alone():
+        mp.start_processes(_worker, args=(world, str(out), schedule, microbatches, steps, profile_steps, mode,
+                                          fwd_ms, bwd_ms, vpp, nvtx), nprocs=world, join=True,
+                           start_method=start_method())
     return out
 
 

@@ -487,8 +487,10 @@ def spawn_ranks(worker, cfg: dict, world: int, timeout: float, what: str) -> Non
 
     from instrumented_model.train import start_method
 
+    import box
+
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    with tempfile.TemporaryDirectory(prefix="ranks-") as scratch:
+    with box.alone(), tempfile.TemporaryDirectory(prefix="ranks-") as scratch:
         ctx = mp.start_processes(worker, args=(cfg, os.path.join(scratch, "store")), nprocs=world,
                                  join=False, start_method=start_method())
         deadline = time.monotonic() + timeout

@@ -131,7 +131,7 @@ def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
         now = newly[wait_op]  # (every edge of a newly settled wait is ready)
         np.maximum.at(held, wait_op[now], clock[post_op[now]])
         blocked &= ~newly
-    clock = ran + np.maximum(running_max(op_program, held - ran), 0)
+    # (the round that found nothing new computed the clocks from the final ``held``)
 
     # -- per step: the latest clock; a step with a wait that never settled deadlocked ------
     out = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import box
 from hostile import no_traceback, pptrace
 from pptrace.analyzers.stragglers import NOISE_SPREADS
 from pptrace.topology import Layout
@@ -46,8 +47,10 @@ def model_runs(tmp_path_factory):
         if name not in made:
             out = tmp_path_factory.mktemp(name) / "run"
             env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-            done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *TRAINER, *extra,
-                                   "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            with box.alone():
+                done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *TRAINER, *extra,
+                                       "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                                      timeout=600)
             assert done.returncode == 0, done.stderr[-3000:]
             made[name] = out
         return made[name]

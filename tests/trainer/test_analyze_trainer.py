@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import pytest
 
+import box
 from sleep_runs import DELAY_S, DELAYED_RANK, M, P, PROFILED, T_F
 from truth_checks import Bracket, assert_inside, schedule_part_misses
 
@@ -48,8 +49,9 @@ def trainer_run(tmp_path_factory, sleep_run):
                 out = sleep_run(name)
             else:
                 out = tmp_path_factory.mktemp(name)
-                proc = subprocess.run([sys.executable, "-m", "instrumented_model.train", *RUNS[name], "--out", str(out)],
-                                      capture_output=True, text=True, timeout=300)
+                with box.alone():
+                    proc = subprocess.run([sys.executable, "-m", "instrumented_model.train", *RUNS[name], "--out",
+                                           str(out)], capture_output=True, text=True, timeout=300)
                 assert proc.returncode == 0, proc.stderr[-2000:]
             run = load_run(out)
             cache[name] = (run, build_report(run), out)

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import box
 import pptrace
 from instrumented_model.data import get_microbatch
 from instrumented_model.data_parallel import finish_grad_sync
@@ -49,9 +50,10 @@ TOLERANCE = 0.10  # the issue's: hidden EP within 10% of the logged overlap
 def sleep_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep_overlap") / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *SLEEP_RUN, "--out", str(out)],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                          timeout=300)
+    with box.alone():
+        done = subprocess.run([sys.executable, "-m", "instrumented_model.train", *SLEEP_RUN, "--out", str(out)],
+                              cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                              timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     truth = {int(p.stem[4:]): json.loads(p.read_text()) for p in (out / "truth").glob("rank*.json")}
     return out, truth, pptrace.analyze(out, progress=False)

@@ -1,0 +1,106 @@
+"""One 2-core box, two pytest-xdist workers: a sleep-mode recording runs with the box to itself.
+
+The suite's timing checks hold a run's analysis to its truth, and what-ifs and diffs to other
+runs and to theory. A recording made while the other worker analyses or renders a page pays
+that load in its sleeps and gloo hops (tens of ms per step, and not the same in two runs),
+and the checks against theory or against another run then fail one CI run in two. So every
+test holds the box *shared* from its setup to its teardown (``shared``, conftest's hook), and
+a recording holds it *alone* (``alone``): it waits for the test the other worker is in to
+finish, and the other worker's next test waits for the recording.
+
+A reader-writer lock from two ``flock``s on files the workers share: the door (held briefly by
+readers, for the whole recording by the writer, so a waiting recording is not starved by a
+stream of tests) and the box (shared by tests, exclusive to recordings). Without xdist there
+is no other worker and the locks are never contended.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+_where: Path | None = None
+_shared_fd: int | None = None  # this worker's shared hold on the box, while a test runs
+_alone_depth = 0
+
+
+def use(directory: Path) -> None:
+    """Keep the lock files in ``directory`` (one every worker of the session sees)."""
+    global _where
+    _where = directory
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+def _open(name: str) -> int:
+    return os.open(_where / name, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _take_share() -> None:
+    global _shared_fd
+    door, box = _open("door"), _open("box")
+    try:
+        fcntl.flock(door, fcntl.LOCK_EX)
+        fcntl.flock(box, fcntl.LOCK_SH)
+    finally:
+        os.close(door)  # closing the door's only descriptor releases it
+    _shared_fd = box
+
+
+def _drop_share() -> None:
+    global _shared_fd
+    if _shared_fd is not None:
+        os.close(_shared_fd)
+        _shared_fd = None
+
+
+@contextmanager
+def shared():
+    """Hold the box with the other worker's tests, not with its recordings."""
+    if _where is None:
+        yield
+        return
+    _take_share()
+    try:
+        yield
+    finally:
+        _drop_share()
+
+
+@contextmanager
+def stepped_aside():
+    """Let go of this test's share while it waits on the other worker (a shared run that
+    worker is making alone would otherwise wait for this test, and this test for it)."""
+    held = _shared_fd is not None
+    _drop_share()
+    try:
+        yield
+    finally:
+        if held:
+            _take_share()
+
+
+@contextmanager
+def alone():
+    """Have the box to this recording alone (re-entrant; a no-op outside a pytest session)."""
+    global _alone_depth
+    if _where is None or _alone_depth:
+        _alone_depth += 1
+        try:
+            yield
+        finally:
+            _alone_depth -= 1
+        return
+    with stepped_aside():
+        door, box = _open("door"), _open("box")
+        try:
+            fcntl.flock(door, fcntl.LOCK_EX)
+            fcntl.flock(box, fcntl.LOCK_EX)
+            _alone_depth += 1
+            try:
+                yield
+            finally:
+                _alone_depth -= 1
+        finally:
+            os.close(box)
+            os.close(door)
