@@ -93,16 +93,24 @@ def _host_ranges(ev: pd.DataFrame) -> np.ndarray:
 
 def _host_range_table(ev: pd.DataFrame, group: np.ndarray) -> pd.DataFrame:
     """The contract ranges on host threads, one row each: their row in ``ev``, group,
-    times, category and kind (str, None when null), tags and whether they end the step."""
+    times, kind (str, None when null), what their category says (``launch``: comm:*,
+    ``wait``, ``compute``, ``contract``: any of those or p2p; one test per category, not
+    per row), tags, whether they end the step, and their thread (``lane``: a code, -1
+    for none)."""
     rows = np.flatnonzero(_host_ranges(ev))
     sub = ev[["start_ns", "end_ns", "category", "kind", "tags", "lane", *_IDENTITY]].iloc[rows]
     kind = sub["kind"].to_numpy(object)
+    category = sub["category"]
     return pd.DataFrame({
         "row": rows, "group": group[rows],
         "start": sub["start_ns"].to_numpy(np.int64), "end": sub["end_ns"].to_numpy(np.int64),
-        "category": _per_value(sub["category"], str, None), "kind": np.where(pd.isna(kind), None, kind),
+        "kind": np.where(pd.isna(kind), None, kind),
+        "launch": str_test(category, lambda c: c.startswith("comm:")),
+        "wait": str_test(category, lambda c: c == "wait"),
+        "compute": str_test(category, lambda c: c == "compute"),
+        "contract": str_test(category, lambda c: c.startswith(("comm:", "wait", "compute", "p2p"))),
         "final": _per_value(sub["tags"], is_step_end, False, bool),
-        "tags": sub["tags"].to_numpy(object), "lane": sub["lane"].to_numpy(object),
+        "tags": sub["tags"].to_numpy(object), "lane": pd.factorize(sub["lane"].array)[0],
         **{c: sub[c].array for c in _IDENTITY},
     })
 
@@ -116,9 +124,8 @@ def _async_spans(rng: pd.DataFrame) -> tuple:
     """(group, dim, start, end, step_final) from each wait back to the launches it waits for:
     the ranges of its dimension with the same identity tags posted since the previous such
     wait (waits of one identity in order of start, then of rows)."""
-    category = rng["category"].astype(str)
-    launch = rng[category.str.startswith("comm:").to_numpy()]
-    waits = rng[((category == "wait") & rng["kind"].isin(COMM_DIMS)).to_numpy()]
+    launch = rng[rng["launch"].to_numpy()]
+    waits = rng[(rng["wait"] & rng["kind"].isin(COMM_DIMS)).to_numpy()]
     if waits.empty:
         return ()
     both = pd.concat([launch, waits], ignore_index=True)
@@ -191,16 +198,14 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     before[later] = head[:-1][later[1:]]
     took = head > before
     work, t = work[took], e_start[e_first[w_q[took]] + before[took]]
-    contract = rng[(rng["category"].astype(str).str.startswith(("comm:", "wait", "compute", "p2p"))
-                    & (rng["end"] > rng["start"])).to_numpy()]
+    contract = rng[(rng["contract"] & (rng["end"] > rng["start"])).to_numpy()]
     # innermost: the latest start, then the first row, as weights ranking the ranges
     contract = contract.iloc[np.lexsort((-contract["row"].to_numpy(), contract["start"].to_numpy()))]
     inner = cover_max(contract["group"].to_numpy(), contract["start"].to_numpy(), contract["end"].to_numpy(),
                       np.arange(len(contract)), group[work], t)
     found = inner >= 0
     work, inner = work[found], contract.iloc[inner[found]]
-    category = inner["category"].astype(str)
-    is_comm = ((category.str.startswith("comm:") | (category == "wait")) & inner["kind"].isin(COMM_DIMS)).to_numpy()
+    is_comm = ((inner["launch"] | inner["wait"]) & inner["kind"].isin(COMM_DIMS)).to_numpy()
     work, inner = work[is_comm], inner[is_comm]
     return (group[work], inner["kind"].to_numpy(object), start[work], end[work], inner["final"].to_numpy())
 
@@ -249,14 +254,14 @@ def _innermost_compute(rng: pd.DataFrame) -> tuple:
     computed while a p2p range waits (ZB-H1 fills the wait with W) is. Per thread and depth
     d: the compute ranges of depth d less every range deeper; so a piece is compute where
     the deepest range over it, compute first on ties, is a compute range."""
-    rng = rng[pd.notna(rng["lane"]).to_numpy()]  # no thread, no sweep (as groupby drops it)
-    lane = row_codes(rng["group"].to_numpy(), rng["lane"].to_numpy(object))
+    rng = rng[(rng["lane"] >= 0).to_numpy()]  # no thread, no sweep (as groupby drops it)
+    lane = row_codes(rng["group"].to_numpy(), rng["lane"].to_numpy())
     lane_group = np.zeros(int(lane.max()) + 1 if len(lane) else 0, np.int64)
     lane_group[lane] = rng["group"].to_numpy()
     starts, ends = rng["start"].to_numpy(), rng["end"].to_numpy()
     order = np.lexsort((rng["row"].to_numpy(), -ends, starts, lane))
     lane, starts, ends = lane[order], starts[order], ends[order]
-    weight = 2 * _depths(lane, starts, ends) + (rng["category"].to_numpy(object)[order] == "compute")
+    weight = 2 * _depths(lane, starts, ends) + rng["compute"].to_numpy()[order]
     real = ends > starts
     lane, starts, ends, weight = lane[real], starts[real], ends[real], weight[real]
     b_lane, b_time = np.r_[lane, lane], np.r_[starts, ends]
@@ -373,8 +378,7 @@ def _activities(ev: pd.DataFrame, group: np.ndarray, ranks: list, layout, pg: li
     spans = []  # (group, dim, start, end, step_final) arrays
     # Host-side ranges mark communication in both modes; on GPU, where Kineto projected
     # them onto a stream, their GPU-side extent (the host side is only the launch).
-    cat = rng["category"].astype(str)
-    marked = rng[(cat.str.startswith("comm:") | (cat == "wait")).to_numpy()]
+    marked = rng[(rng["launch"] | rng["wait"]).to_numpy()]
     m_start, m_end = marked["start"].to_numpy().copy(), marked["end"].to_numpy().copy()
     projected = gpu[marked["group"].to_numpy()]
     if projected.any():
