@@ -346,10 +346,52 @@ def critical_path(run, step: int | None = None) -> CriticalPath:
     rows = rows[(rows["step"] == step).to_numpy()]
     graph = _graph(rows, pairs[(pairs["step"] == step).to_numpy()],
                    None if coll is None else coll[(coll["step"] == step).to_numpy()])
-    return _path(run, step, graph, _windows(run))
+    return _path(_walk(run, step, graph, _windows(run)))
 
 
-def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
+@dataclass
+class _Walk:
+    """One step's walk: its segments (SEGMENT_COLUMNS tuples, in time order) and what the
+    step's ranges say, before any frame is built (step_bounds needs no frames)."""
+
+    step: int
+    segments: list
+    span_ns: int
+    step_time_s: float
+    graph: _Graph
+
+    def arrays(self) -> tuple:
+        """(rank, stage, phase, dur_ns) of the segments as arrays."""
+        if not self.segments:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, object), np.zeros(0, np.int64)
+        rank, stage, phase, _, _, dur = zip(*self.segments)
+        return (np.array(rank, np.int64), np.array(stage, np.int64), np.array(phase, object),
+                np.array(dur, np.int64))
+
+    def compute_stages(self, stage: np.ndarray, phase: np.ndarray) -> list:
+        computing = np.array([p.startswith(COMPUTE_PREFIX) for p in phase], bool)
+        return sorted(int(s) for s in np.unique(stage[computing]))
+
+
+def _path(walk: _Walk) -> CriticalPath:
+    """The walk as a CriticalPath, its frames built."""
+    step, g = walk.step, walk.graph
+    seg = pd.DataFrame(walk.segments, columns=list(SEGMENT_COLUMNS))
+    length = int(seg["dur_ns"].sum()) if len(seg) else 0
+    by = seg.groupby(["rank", "stage", "phase"], as_index=False)["dur_ns"].sum()
+    by["time_s"] = by.pop("dur_ns") / 1e9
+    by["fraction"] = by["time_s"] / (length / 1e9) if length else 0.0
+    _, stage, phase, _ = walk.arrays()
+    mine = g.p2p_step == step
+    return CriticalPath(
+        step=step, segments=seg, by_rank_phase=by.sort_values("time_s", ascending=False).reset_index(drop=True),
+        length_s=length / 1e9, span_s=walk.span_ns / 1e9, step_time_s=walk.step_time_s,
+        stages=walk.compute_stages(stage, phase),
+        exchanges=pd.Series(g.p2p_exchange[mine], index=g.p2p_index[mine], dtype=np.int64),
+    )
+
+
+def _walk(run, step: int, graph: _Graph, windows: np.ndarray) -> _Walk:
     windows = windows[windows[:, _W_STEP] == step]
     if not len(windows):
         raise ValueError(f"step {step} has no ProfilerStep range on any rank")
@@ -415,19 +457,8 @@ def _path(run, step: int, graph: _Graph, windows: np.ndarray) -> CriticalPath:
         else:
             emit(rank, phase, lo, t)
             t = lo
-    seg = pd.DataFrame(segments[::-1], columns=list(SEGMENT_COLUMNS))
-    length = int(seg["dur_ns"].sum()) if len(seg) else 0
-    by = seg.groupby(["rank", "stage", "phase"], as_index=False)["dur_ns"].sum()
-    by["time_s"] = by.pop("dur_ns") / 1e9
-    by["fraction"] = by["time_s"] / (length / 1e9) if length else 0.0
-    stages = sorted(int(s) for s in seg.loc[seg["phase"].str.startswith(COMPUTE_PREFIX), "stage"].unique())
-    mine = g.p2p_step == step
-    return CriticalPath(
-        step=step, segments=seg, by_rank_phase=by.sort_values("time_s", ascending=False).reset_index(drop=True),
-        length_s=length / 1e9, span_s=(int(w_last.max()) - floor) / 1e9,
-        step_time_s=float(np.median(w_last - w_first)) / 1e9,
-        stages=stages, exchanges=pd.Series(g.p2p_exchange[mine], index=g.p2p_index[mine], dtype=np.int64),
-    )
+    return _Walk(step=step, segments=segments[::-1], span_ns=int(w_last.max()) - floor,
+                 step_time_s=float(np.median(w_last - w_first)) / 1e9, graph=g)
 
 
 def _latest_partner(g: _Graph, unit: int, t: int):
@@ -463,29 +494,46 @@ def step_bounds(run) -> list[dict]:
     graph = _graph(_main_rows(run), run.pairs, run.collectives)
     windows = _windows(run)
     walked = set(graph.steps.tolist()) & set(windows[:, _W_STEP].tolist())
-    return [_bound(_path(run, step, graph, windows)) for step in run.steps if step in walked]
+    return [_bound(_walk(run, step, graph, windows)) for step in run.steps if step in walked]
 
 
-def _bound(path: CriticalPath) -> dict:
-    seg = path.segments
-    phase, dur = seg["phase"], seg["dur_ns"].to_numpy() / 1e9
+def _largest(rank: np.ndarray, stage: np.ndarray, phase: np.ndarray, dur: np.ndarray) -> tuple:
+    """(rank, phase, ns) of the largest (rank, stage, phase) sum of ``dur``: the first row of
+    CriticalPath.by_rank_phase, ties broken as its groupby and descending sort_values do
+    (key order; the same quicksort on the same array, reversed twice)."""
+    _, code = np.unique(phase, return_inverse=True)  # phases in sorted order, as groupby's keys
+    order = np.lexsort((code, stage, rank))
+    key = np.c_[rank, stage, code][order]
+    first = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]).any(axis=1)])
+    total = np.add.reduceat(dur[order], first)
+    time = total / 1e9
+    at = np.arange(len(time))[::-1][time[::-1].argsort(kind="quicksort")][::-1][0]
+    row = order[first[at]]
+    return int(rank[row]), phase[row], int(total[at])
+
+
+def _bound(walk: _Walk) -> dict:
+    rank, stage, phase, dur_ns = walk.arrays()
+    length = int(dur_ns.sum())
+    length_s = length / 1e9
+    dur = dur_ns / 1e9
     parts = {
-        "compute_s": float(dur[phase.str.startswith(COMPUTE_PREFIX).to_numpy()].sum()),
-        "p2p_s": float(dur[phase.str.endswith(TRANSFER_SUFFIX).to_numpy()].sum()),
-        "other_s": float(dur[(phase == OVERHEAD_PHASE).to_numpy()].sum()),
+        "compute_s": float(dur[np.array([p.startswith(COMPUTE_PREFIX) for p in phase], bool)].sum()),
+        "p2p_s": float(dur[np.array([p.endswith(TRANSFER_SUFFIX) for p in phase], bool)].sum()),
+        "other_s": float(dur[phase == OVERHEAD_PHASE].sum()),
     }
-    parts["comm_s"] = max(path.length_s - sum(parts.values()), 0.0)
-    ranks = sorted(int(r) for r in seg["rank"].unique())
+    parts["comm_s"] = max(length_s - sum(parts.values()), 0.0)
+    ranks = sorted(int(r) for r in np.unique(rank))
     names = {"compute_s": "compute", "p2p_s": "p2p", "comm_s": "collectives", "other_s": "host overhead"}
-    line = f"step {path.step}: no critical path"
-    if path.length_s > 0:
+    line = f"step {walk.step}: no critical path"
+    if length_s > 0:
         main = max(parts, key=parts.get)
-        top = path.by_rank_phase.iloc[0]
-        shares = ", ".join(f"{name} {parts[k] / path.length_s:.0%}" for k, name in names.items()
-                           if parts[k] >= 0.005 * path.length_s)
-        line = (f"step {path.step} bound by {names[main]}: {path.length_s * 1e3:.1f} ms path through "
-                f"{len(ranks)} rank(s) ({shares}); largest: rank {int(top['rank'])} {top['phase']} "
-                f"{top['fraction']:.0%}")
-    return {"step": path.step, "length_s": path.length_s, "step_time_s": path.step_time_s,
+        top_rank, top_phase, top_ns = _largest(rank, stage, phase, dur_ns)
+        shares = ", ".join(f"{name} {parts[k] / length_s:.0%}" for k, name in names.items()
+                           if parts[k] >= 0.005 * length_s)
+        line = (f"step {walk.step} bound by {names[main]}: {length_s * 1e3:.1f} ms path through "
+                f"{len(ranks)} rank(s) ({shares}); largest: rank {top_rank} {top_phase} "
+                f"{top_ns / 1e9 / length_s:.0%}")
+    return {"step": walk.step, "length_s": length_s, "step_time_s": walk.step_time_s,
             **{k: parts[k] for k in ("compute_s", "p2p_s", "comm_s", "other_s")},
-            "ranks": ranks, "stages": path.stages, "summary": line}
+            "ranks": ranks, "stages": walk.compute_stages(stage, phase), "summary": line}

@@ -102,3 +102,35 @@ def test_collective_partners_are_searched_not_listed_pairwise(tmp_path):
                 assert _latest_partner(g, unit, t) == want
                 tried += 1
     assert tried > members  # every member's unit, at every arrival and beside it
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_step_bounds_largest_is_the_frames_first_row(seed):
+    """step_bounds names the largest (rank, stage, phase) without building the path's
+    frames: on random walks with many equal sums (ties; more groups than numpy's quicksort
+    sorts by insertion), the same one as CriticalPath.by_rank_phase's first row, and the
+    same fraction and stages."""
+    from types import SimpleNamespace
+
+    from pptrace.analyzers.critical_path import _bound, _largest, _path, _Walk
+
+    rng = np.random.default_rng(seed)
+    phases = ["compute:fwd", "compute:bwd", "pp:transfer", "other", "dp:all_reduce", "compute:wgrad"]
+    n = int(rng.integers(1, 120))
+    segments, t = [], 0
+    for _ in range(n):
+        dur = int(rng.choice([1_000, 2_000, 3_000, 1_500_000]))
+        rank = int(rng.integers(0, 8))
+        segments.append((rank, rank % 4, phases[int(rng.integers(len(phases)))], t, t + dur, dur))
+        t += dur
+    none = np.zeros(0, np.int64)
+    walk = _Walk(step=3, segments=segments, span_ns=t, step_time_s=t / 1e9,
+                 graph=SimpleNamespace(p2p_step=none, p2p_exchange=none, p2p_index=none))
+    path = _path(walk)
+    top = path.by_rank_phase.iloc[0]
+    rank, phase, ns = _largest(*walk.arrays())
+    assert (rank, phase) == (int(top["rank"]), top["phase"])
+    assert ns / 1e9 / path.length_s == top["fraction"]
+    bound = _bound(walk)
+    assert bound["stages"] == path.stages and bound["length_s"] == path.length_s
+    assert f"largest: rank {rank} {phase} {top['fraction']:.0%}" in bound["summary"]
