@@ -75,12 +75,11 @@ def microbatch_times(run) -> pd.DataFrame:
     return passes.drop(columns="loss_s").reset_index(drop=True)
 
 
-def _per_microbatch(times: pd.DataFrame, ops) -> float:
-    """Median over (rank, step, mb) of the summed durations (all chunks) of ``ops``."""
+def _per_microbatch(times: pd.DataFrame, ops) -> pd.Series:
+    """stage -> median over its (rank, step, mb) of the summed durations (all chunks) of
+    ``ops``; a stage without such passes is absent (0.0 to its readers)."""
     sel = times[times["op"].isin(ops)]
-    if sel.empty:
-        return 0.0
-    return float(sel.groupby(["rank", "step", "mb"])["dur_s"].sum().median())
+    return sel.groupby(["stage", "rank", "step", "mb"])["dur_s"].sum().groupby(level="stage").median()
 
 
 def _per_microbatch_by_chunk(times: pd.DataFrame) -> pd.DataFrame:
@@ -322,12 +321,13 @@ def pipeline_stages(run, partitions, latency: dict | None = None) -> tuple[pd.Da
     row_latency = np.where(pos >= 0, np.fromiter(latency.values(), np.int64, len(latency))[np.maximum(pos, 0)]
                            if len(latency) else -1, -1)
     by_chunk = _per_microbatch_by_chunk(times)
+    per_mb = {name: _per_microbatch(times, ops).to_dict()
+              for name, ops in (("t_fwd_s", FWD_OPS), ("t_bwd_s", BWD_OPS), ("t_wgrad_s", (BWD_WEIGHT,)))}
     absent = missing_stages(run) if p > 1 else []
     rows = []
     for stage in (s for s in range(p) if s not in absent):
         ranks = [r for r in run.ranks if stage_of.get(r) == stage]
         parts = np.flatnonzero(row_stage == stage)  # the stage's partitions, by (rank, step)
-        st = times[times["stage"] == stage]
         chunks = [{"chunk": int(c), "t_fwd_s": float(f), "t_bwd_s": float(b)}
                   for (_, c), f, b in zip(by_chunk.loc[[stage]].index, by_chunk.loc[[stage], "fwd"],
                                           by_chunk.loc[[stage], "bwd"])] if stage in by_chunk.index else []
@@ -353,8 +353,7 @@ def pipeline_stages(run, partitions, latency: dict | None = None) -> tuple[pd.Da
             "bubble_fraction": (bubble / step_s if step_s else 0.0) if known else None,
             "warmup_bubble_s": phase("warmup_s"), "steady_bubble_s": phase("steady_s"),
             "cooldown_bubble_s": phase("cooldown_s"),
-            "t_fwd_s": _per_microbatch(st, FWD_OPS), "t_bwd_s": _per_microbatch(st, BWD_OPS),
-            "t_wgrad_s": _per_microbatch(st, (BWD_WEIGHT,)),
+            **{name: float(per_mb[name].get(stage, 0.0)) for name in ("t_fwd_s", "t_bwd_s", "t_wgrad_s")},
             "chunks": chunks if v > 1 else [],
         })
     stages = pd.DataFrame(rows)
