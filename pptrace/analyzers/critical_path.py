@@ -368,9 +368,11 @@ class _Walk:
         return (np.array(rank, np.int64), np.array(stage, np.int64), np.array(phase, object),
                 np.array(dur, np.int64))
 
-    def compute_stages(self, stage: np.ndarray, phase: np.ndarray) -> list:
-        computing = np.array([p.startswith(COMPUTE_PREFIX) for p in phase], bool)
-        return sorted(int(s) for s in np.unique(stage[computing]))
+
+def _compute_stages(stage: np.ndarray, phase: np.ndarray) -> list:
+    """The stages whose compute the path ran through, ascending."""
+    computing = np.array([p.startswith(COMPUTE_PREFIX) for p in phase], bool)
+    return sorted(int(s) for s in np.unique(stage[computing]))
 
 
 def _path(walk: _Walk) -> CriticalPath:
@@ -386,7 +388,7 @@ def _path(walk: _Walk) -> CriticalPath:
     return CriticalPath(
         step=step, segments=seg, by_rank_phase=by.sort_values("time_s", ascending=False).reset_index(drop=True),
         length_s=length / 1e9, span_s=walk.span_ns / 1e9, step_time_s=walk.step_time_s,
-        stages=walk.compute_stages(stage, phase),
+        stages=_compute_stages(stage, phase),
         exchanges=pd.Series(g.p2p_exchange[mine], index=g.p2p_index[mine], dtype=np.int64),
     )
 
@@ -536,4 +538,4 @@ def _bound(walk: _Walk) -> dict:
                 f"{top_ns / 1e9 / length_s:.0%}")
     return {"step": walk.step, "length_s": length_s, "step_time_s": walk.step_time_s,
             **{k: parts[k] for k in ("compute_s", "p2p_s", "comm_s", "other_s")},
-            "ranks": ranks, "stages": walk.compute_stages(stage, phase), "summary": line}
+            "ranks": ranks, "stages": _compute_stages(stage, phase), "summary": line}
