@@ -22,7 +22,21 @@ from pathlib import Path
 
 _where: Path | None = None
 _shared_fd: int | None = None  # this worker's shared hold on the box, while a test runs
+_alone_fds: list = []  # the door and the box, while this worker records alone
 _alone_depth = 0
+
+
+def _forget_in_child() -> None:
+    """A forked child (the trainer's ranks, a loader's pool) shares its parent's open lock
+    files, and a lock lives until every descriptor of it is closed: a child that outlived its
+    test would hold the box after the test let go. Children never take the box."""
+    global _where, _shared_fd, _alone_fds, _alone_depth
+    for fd in ([_shared_fd] if _shared_fd is not None else []) + _alone_fds:
+        os.close(fd)
+    _where, _shared_fd, _alone_fds, _alone_depth = None, None, [], 0
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def use(directory: Path) -> None:
@@ -92,15 +106,16 @@ def alone():
             _alone_depth -= 1
         return
     with stepped_aside():
-        door, box = _open("door"), _open("box")
+        _alone_fds[:] = [_open("door"), _open("box")]
         try:
-            fcntl.flock(door, fcntl.LOCK_EX)
-            fcntl.flock(box, fcntl.LOCK_EX)
+            for fd in _alone_fds:
+                fcntl.flock(fd, fcntl.LOCK_EX)
             _alone_depth += 1
             try:
                 yield
             finally:
                 _alone_depth -= 1
         finally:
-            os.close(box)
-            os.close(door)
+            for fd in _alone_fds:
+                os.close(fd)
+            _alone_fds.clear()

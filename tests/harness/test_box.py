@@ -87,3 +87,28 @@ def test_a_recording_inside_a_test_steps_out_of_its_own_share(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["recorded", "done"]
+
+
+LINGER = """
+import os, sys, time
+from pathlib import Path
+import box
+box.use(Path(sys.argv[1]))
+with box.shared():
+    if os.fork() == 0:  # a child that outlives the test, as a forked pool worker may
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1), os.dup2(null, 2)  # (not holding the pipes the test's output is read from)
+        time.sleep(3)
+        os._exit(0)
+print("out", time.monotonic(), flush=True)
+"""
+
+
+def test_a_forked_child_that_outlives_its_test_does_not_hold_the_box(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    test = subprocess.run([sys.executable, "-c", LINGER, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert test.returncode == 0, test.stderr
+    left = float(test.stdout.split()[1])
+    recording = Holder(tmp_path, "alone", 0).done()
+    assert recording["in"] - left < 2.0, "the recording waited for the test's child"
