@@ -38,3 +38,27 @@ def test_the_library_alone_leaves_the_pool_alone():
     code = "import pptrace.run, pyarrow; print(pyarrow.default_memory_pool().backend_name)"
     default = _pool(None, "import pyarrow; print(pyarrow.default_memory_pool().backend_name)")
     assert _pool(None, code) == default
+
+
+HUGE = "import numpy; print(numpy._core.multiarray._get_madvise_hugepage())"
+
+
+def _hugepages(code: str, env_value: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    if env_value is not None:
+        env["NUMPY_MADVISE_HUGEPAGE"] = env_value
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_cli_keeps_numpy_off_huge_pages_unless_the_user_chose():
+    """(prefer_small_pages: faults on fresh huge pages cost the cached 1,024-rank analysis
+    ~15% on the benchmark's machine.) Numpy alone asks for them on Linux; the CLI does not,
+    a user's NUMPY_MADVISE_HUGEPAGE stands, and the library alone changes nothing."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("numpy asks for huge pages on Linux only")
+    assert _hugepages(HUGE) == "True"
+    assert _hugepages("import pptrace.cli; " + HUGE) == "False"
+    assert _hugepages("import pptrace.cli; " + HUGE, "1") == "True"
+    assert _hugepages("import pptrace.run; " + HUGE) == "True"
