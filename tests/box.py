@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 _where: Path | None = None
@@ -44,6 +44,11 @@ def use(directory: Path) -> None:
     global _where
     _where = directory
     directory.mkdir(parents=True, exist_ok=True)
+
+
+def ready() -> bool:
+    """Whether :func:`use` was called in this process."""
+    return _where is not None
 
 
 def _open(name: str) -> int:
@@ -95,27 +100,28 @@ def stepped_aside():
 
 
 @contextmanager
+def _exclusive():
+    _alone_fds[:] = [_open("door"), _open("box")]
+    try:
+        for fd in _alone_fds:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        for fd in _alone_fds:
+            os.close(fd)
+        _alone_fds.clear()
+
+
+@contextmanager
 def alone():
     """Have the box to this recording alone (re-entrant; a no-op outside a pytest session)."""
     global _alone_depth
-    if _where is None or _alone_depth:
+    with ExitStack() as stack:
+        if _where is not None and not _alone_depth:  # the outermost recording takes the box
+            stack.enter_context(stepped_aside())
+            stack.enter_context(_exclusive())
         _alone_depth += 1
         try:
             yield
         finally:
             _alone_depth -= 1
-        return
-    with stepped_aside():
-        _alone_fds[:] = [_open("door"), _open("box")]
-        try:
-            for fd in _alone_fds:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            _alone_depth += 1
-            try:
-                yield
-            finally:
-                _alone_depth -= 1
-        finally:
-            for fd in _alone_fds:
-                os.close(fd)
-            _alone_fds.clear()

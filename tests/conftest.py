@@ -39,7 +39,7 @@ def _workers_root(tmp_path_factory) -> Path:
 def pytest_runtest_protocol(item, nextitem):
     """Each test, its fixtures' setup and teardown included, holds the box shared with the
     other worker's tests; a sleep-mode recording takes it alone (tests/box.py)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and box._where is None:
+    if os.environ.get("PYTEST_XDIST_WORKER") and not box.ready():
         # pytest's own tmp_path_factory fixture is this object; a hook cannot request fixtures
         box.use(_workers_root(item.config._tmp_path_factory) / "box")
     with box.shared():

@@ -1,5 +1,5 @@
-"""The `pptrace` command's choice of Arrow memory pool (pptrace/ingest/memory.py), in fresh
-interpreters: the pool is fixed when pyarrow is first imported."""
+"""The `pptrace` command's choices of memory (pptrace/ingest/memory.py): Arrow's pool and
+numpy's pages, in fresh interpreters (both are fixed when the library is first imported)."""
 from __future__ import annotations
 
 import os
@@ -12,13 +12,18 @@ POOL = ("import pptrace.cli, pyarrow, pandas; "
         "from pptrace.ingest import memory; memory.release(); print(pyarrow.default_memory_pool().backend_name)")
 
 
-def _pool(env_pool: str | None, code: str = POOL) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
-    if env_pool is not None:
-        env["ARROW_DEFAULT_MEMORY_POOL"] = env_pool
+def _fresh(code: str, variable: str, value: str | None) -> str:
+    """What ``code`` prints in a fresh interpreter with ``variable`` set to ``value`` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != variable}
+    if value is not None:
+        env[variable] = value
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def _pool(env_pool: str | None, code: str = POOL) -> str:
+    return _fresh(code, "ARROW_DEFAULT_MEMORY_POOL", env_pool)
 
 
 def test_the_cli_uses_the_system_allocator():
@@ -44,12 +49,7 @@ HUGE = "import numpy; print(numpy._core.multiarray._get_madvise_hugepage())"
 
 
 def _hugepages(code: str, env_value: str | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
-    if env_value is not None:
-        env["NUMPY_MADVISE_HUGEPAGE"] = env_value
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return _fresh(code, "NUMPY_MADVISE_HUGEPAGE", env_value)
 
 
 def test_the_cli_keeps_numpy_off_huge_pages_unless_the_user_chose():
