@@ -11,7 +11,10 @@ import zlib
 import numpy as np
 import pandas as pd
 
-from .schema import BOOL_COLUMNS, CATEGORY_COLUMNS, COLUMNS, INT_COLUMNS, NULLABLE_INT_COLUMNS
+from .schema import BOOL_COLUMNS, CATEGORY_COLUMNS, COLUMNS, INT32_COLUMNS, INT_COLUMNS, NULLABLE_INT_COLUMNS, nullable_int
+
+#: columns of 32-bit ints: the non-nullable rank and step, and the nullable INT32_COLUMNS
+_INT32 = ("rank", "step", *INT32_COLUMNS)
 
 
 def arrow_schema():
@@ -23,7 +26,7 @@ def arrow_schema():
             kind = pa.dictionary(pa.int32(), pa.string())
         elif column in BOOL_COLUMNS:
             kind = pa.bool_()
-        elif column in ("rank", "step"):
+        elif column in _INT32:
             kind = pa.int32()
         else:
             kind = pa.int64()
@@ -44,7 +47,8 @@ def to_arrow(df: pd.DataFrame):
             values = pa.array([str(v) for v in cat.categories], type=pa.string())
             arrays.append(pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), values))
         elif field.name in NULLABLE_INT_COLUMNS:
-            arrays.append(pa.array(col.to_numpy(dtype=np.int64, na_value=0), mask=col.isna().to_numpy(), type=pa.int64()))
+            array = nullable_int(field.name, col.to_numpy(dtype=np.int64, na_value=0), col.isna().to_numpy())
+            arrays.append(pa.array(array.to_numpy(array.dtype.numpy_dtype, na_value=0), mask=array.isna(), type=field.type))
         else:
             arrays.append(pa.array(col.to_numpy(), type=field.type))
     return pa.Table.from_arrays(arrays, schema=schema)
@@ -58,10 +62,13 @@ def from_arrow(table) -> pd.DataFrame:
         return empty_frame()
     table = table.unify_dictionaries()
     # self_destruct frees each Arrow column once converted: the peak holds one copy, not two.
-    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get, self_destruct=True, split_blocks=True)
+    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype()}.get,
+                         self_destruct=True, split_blocks=True)
     del table
     for column in INT_COLUMNS:
         df[column] = df[column].to_numpy(dtype=np.int64)
+    for column in ("rank", "step"):
+        df[column] = df[column].to_numpy(dtype=np.int32)
     return df
 
 
@@ -71,7 +78,7 @@ def empty_frame() -> pd.DataFrame:
         if column in CATEGORY_COLUMNS:
             data[column] = pd.Categorical([])
         elif column in NULLABLE_INT_COLUMNS:
-            data[column] = pd.array([], dtype="Int64")
+            data[column] = nullable_int(column, np.zeros(0, np.int64), np.zeros(0, bool))
         elif column in BOOL_COLUMNS:
             data[column] = np.zeros(0, dtype=bool)
         elif column in ("rank", "step"):
@@ -248,9 +255,9 @@ def frame_from_tables(tables: list, reparse=None, key: bytes | None = None) -> p
             out[name], lookups[name] = np.empty(n, dtype=np.int8), {}
         elif name in NULLABLE_INT_COLUMNS:
             # np.zeros: the pages of all-null stretches are never written, so never resident
-            out[name] = (np.zeros(n, dtype=np.int64), np.empty(n, dtype=bool))
+            out[name] = (np.zeros(n, dtype=np.int32 if name in INT32_COLUMNS else np.int64), np.empty(n, dtype=bool))
         else:
-            out[name] = np.empty(n, dtype=np.bool_ if name in BOOL_COLUMNS else (np.int32 if name in ("rank", "step") else np.int64))
+            out[name] = np.empty(n, dtype=np.bool_ if name in BOOL_COLUMNS else (np.int32 if name in _INT32 else np.int64))
     pos = 0
     tables.reverse()
     while tables:

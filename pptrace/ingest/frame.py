@@ -17,7 +17,8 @@ from .memory import release
 from .extract import complete_events, dur_to_ns, duration_events, extract_dicts, extract_structs, ts_to_ns
 from .nccl import infer_nccl_p2p, link_nccl_kernels
 from .p2p_args import add_p2p_args
-from .schema import COLUMNS, GPU_CATS, NULLABLE_INT_COLUMNS, TAG_COLUMNS, RawEvent, classify, profiler_step_number
+from .schema import (COLUMNS, GPU_CATS, NULLABLE_INT_COLUMNS, TAG_COLUMNS, RawEvent, classify, profiler_step_number,
+                     with_schema_ints)
 
 # -------------------------------------------------------------------------------------------
 # building the table from parsed events
@@ -260,7 +261,7 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
         "dropped_steps": lost_steps,  # ProfilerStep ranges among the dropped events
         "folded": folded,
     }
-    df = df[list(COLUMNS)].sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True)
+    df = with_schema_ints(df[list(COLUMNS)]).sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True)
     df, info["duplicates"] = _drop_duplicates(df, path, warnings)
     return df, info
 

@@ -15,14 +15,15 @@ cat                category   torch.profiler category (cpu_op, user_annotation, 
 start_ns, end_ns   int64      **this rank's own clock**: baseTimeNanoseconds + ts*1000, exact to
                               the nanosecond (ts is parsed from its decimal text when a float
                               could not hold it). ``Run.events`` shifts them onto the reference
-                              clock and keeps the originals in raw_start_ns / raw_end_ns.
+                              clock; ``Run.raw_ns`` gives them on the rank's own clock again.
 dur_ns             int64      end_ns - start_ns
 kind, op           category   from :func:`pptrace.naming.parse_name`, else Megatron-Core's own
                               names (:mod:`pptrace.ingest.megatron_names`); null for other names
-mb, chunk, peer,   Int64      the contract-1 tags of that name (nullable). ``ring_step`` is the
-ring_step, layer,             ``step=`` tag (CP ring step), renamed so that it cannot be mistaken
-bucket, bytes                 for the profiler step below. ``gloo:send`` / ``gloo:recv`` ranges
-                              carry ``bytes`` from their "Input Dims" / "Input type"
+mb, chunk, peer,   Int32      the contract-1 tags of that name (nullable; ``bytes`` is Int64).
+ring_step, layer,             ``ring_step`` is the ``step=`` tag (CP ring step), renamed so that
+bucket, bytes                 it cannot be mistaken for the profiler step below. ``gloo:send`` /
+                              ``gloo:recv`` ranges carry ``bytes`` from their "Input Dims" /
+                              "Input type"
 tags               category   JSON object of the remaining tags (e.g. ``{"what":"grad_norm"}``,
                               ``{"op":"all_reduce"}`` for waits), null when there are none;
                               on the ``c10d::send`` / ``c10d::recv_`` posts of plain traces
@@ -31,7 +32,7 @@ tags               category   JSON object of the remaining tags (e.g. ``{"what":
 category           category   one of :data:`CATEGORIES`, see below
 step               int32      N of the ``ProfilerStep#N`` range containing the event, -1 outside;
                               GPU work takes the step of the runtime call that launched it
-stream             Int64      GPU stream (kernels, memcpy, memset, gpu_user_annotation)
+stream             Int32      GPU stream (kernels, memcpy, memset, gpu_user_annotation)
 correlation        Int64      CUDA correlation id (runtime call <-> GPU activity)
 external_id        Int64      Kineto "External id" (CPU op <-> GPU activity)
 is_nccl            bool       GPU kernel named ``nccl*Kernel*`` (ncclKernel_ and ncclDevKernel_)
@@ -47,13 +48,19 @@ out_nelems
 in_splits,         category   "In split size" / "Out split size" as written (``"[3, 5]"``): an
 out_splits                    all_to_all's elements to / from each peer (group-rank order)
 dtype              category   "dtype" of the collective
-comm_seq           Int64      "Seq" of the collective where the trace has it
-src_rank,          Int64      record_param_comms "Src Rank" / "Dst Rank" of NCCL send/recv: the
+comm_seq           Int32      "Seq" of the collective where the trace has it
+src_rank,          Int32      record_param_comms "Src Rank" / "Dst Rank" of NCCL send/recv: the
 dst_rank                      peer's *global* rank (PyTorch writes them since mid-2024)
 inferred           bool       kind/op/tags were inferred from a foreign name or from the trace's
                               structure (plain traces, :mod:`pptrace.run.infer`), not read from a
                               contract-1 range name
 =================  =========  ===================================================================
+
+A nullable int column holds null where the trace's value does not fit its dtype (Int32: the
+tags, stream, comm_seq and src/dst ranks, small numbers all: 5 bytes a row against Int64's 9,
+on tables of tens of millions of rows). Until schema 10 ``Run.events`` also carried each
+rank's own clock as columns, raw_start_ns / raw_end_ns: 16 bytes a row that only restated the
+rank's offset; :meth:`pptrace.run.model.Run.raw_ns` computes them.
 
 ``category`` (exactly one per event, decided by name and torch category):
 
@@ -74,7 +81,9 @@ import re
 from typing import Any, Union
 
 import msgspec
+import numpy as np
 import orjson
+import pandas as pd
 
 from .dualpipe_names import parse_dualpipe_name
 from .megatron_names import parse_megatron_name
@@ -89,7 +98,8 @@ from ..vocab import COMM_CATEGORIES, COMM_DIMS
 # 7: exact copies of an event (a trace concatenated twice) dropped and counted (frame.py)
 # 8: B/E duration events paired into complete ones; lone surrogate escapes in names as U+FFFD
 # 9: an all_to_all's per-peer split sizes (in_splits, out_splits); DualPipe phase names classified
-SCHEMA_VERSION = 9
+# 10: the small nullable int columns Int32 (INT32_COLUMNS); Run.events without raw_start_ns/raw_end_ns
+SCHEMA_VERSION = 10
 
 CATEGORIES = (
     "compute", *COMM_CATEGORIES, "p2p", "wait", "step",
@@ -102,6 +112,8 @@ NULLABLE_INT_COLUMNS = (
     *TAG_COLUMNS, "stream", "correlation", "external_id", "in_nelems", "out_nelems", "comm_seq",
     "src_rank", "dst_rank",
 )
+#: Nullable columns of small numbers, stored as Int32 (see the table above); the others Int64.
+INT32_COLUMNS = ("mb", "chunk", "peer", "ring_step", "layer", "bucket", "stream", "comm_seq", "src_rank", "dst_rank")
 CATEGORY_COLUMNS = (
     "lane", "lane_kind", "name", "cat", "kind", "op", "tags", "category",
     "collective", "group_ranks", "pg_name", "dtype", "in_splits", "out_splits",
@@ -113,6 +125,29 @@ COLUMNS = (
     "external_id", "is_nccl", "gpu_annotation", "collective", "group_ranks", "pg_name",
     "in_nelems", "out_nelems", "in_splits", "out_splits", "dtype", "comm_seq", "src_rank", "dst_rank", "inferred",
 )
+
+
+
+def nullable_int(column: str, data: np.ndarray, mask: np.ndarray) -> pd.arrays.IntegerArray:
+    """The nullable array of ``column`` (a NULLABLE_INT_COLUMNS name) from int64 ``data`` and
+    its null ``mask``: Int32 for INT32_COLUMNS, where a value int32 cannot hold is null."""
+    if column not in INT32_COLUMNS:
+        return pd.arrays.IntegerArray(np.asarray(data, np.int64), np.asarray(mask, bool))
+    data = np.asarray(data)
+    if data.dtype != np.int32:
+        mask = mask | (data < np.iinfo(np.int32).min) | (data > np.iinfo(np.int32).max)
+        data = np.where(mask, 0, data).astype(np.int32)
+    return pd.arrays.IntegerArray(data, np.asarray(mask, bool))
+
+
+def with_schema_ints(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with its INT32_COLUMNS as Int32 (built as Int64 by whatever filled them)."""
+    for column in INT32_COLUMNS:
+        col = df[column].array
+        if col.dtype != pd.Int32Dtype():
+            df[column] = nullable_int(column, col.to_numpy(np.int64, na_value=0), pd.isna(col))
+    return df
+
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
 _NCCL_KERNEL = re.compile(r"^nccl\w*Kernel")

@@ -466,20 +466,24 @@ def clock_drift_warnings(metas: dict) -> list[str]:
     return out
 
 
-def apply_offsets(events: pd.DataFrame, offsets: pd.DataFrame, inplace: bool = False) -> pd.DataFrame:
-    """Shift start_ns/end_ns onto the reference clock; keep raw_start_ns/raw_end_ns."""
-    rank = events["rank"].to_numpy(np.int64)
+def offsets_per_row(rank: np.ndarray, offsets: pd.DataFrame | None) -> np.ndarray:
+    """Each row's rank's ``offset_ns`` (0 for a rank without one): a lookup table of the
+    ranks' offsets, not a hash per row."""
+    rank = np.asarray(rank, np.int64)
+    if offsets is None or not len(rank):
+        return np.zeros(len(rank), np.int64)
     ranks, shift = offsets["rank"].to_numpy(np.int64), offsets["offset_ns"].to_numpy(np.int64)
-    # one lookup table of the ranks' offsets (0 for a rank without one), not a hash per row
-    table = np.zeros(max(int(rank.max(initial=-1)), int(ranks.max(initial=-1))) + 1, np.int64)
+    table = np.zeros(max(int(rank.max()), int(ranks.max(initial=-1))) + 1, np.int64)
     table[ranks] = shift
-    per_row = table[rank] if len(rank) else np.zeros(0, np.int64)
+    return table[rank]
+
+
+def apply_offsets(events: pd.DataFrame, offsets: pd.DataFrame, inplace: bool = False) -> pd.DataFrame:
+    """Shift start_ns/end_ns onto the reference clock (Run.raw_ns shifts them back)."""
+    per_row = offsets_per_row(events["rank"].to_numpy(), offsets)
     out = events.copy(deep=False) if not inplace else events
-    raw_start, raw_end = events["start_ns"].to_numpy(np.int64), events["end_ns"].to_numpy(np.int64)
-    out["raw_start_ns"] = raw_start
-    out["raw_end_ns"] = raw_end
-    out["start_ns"] = raw_start - per_row
-    out["end_ns"] = raw_end - per_row
+    out["start_ns"] = events["start_ns"].to_numpy(np.int64) - per_row
+    out["end_ns"] = events["end_ns"].to_numpy(np.int64) - per_row
     return out
 
 

@@ -400,7 +400,7 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
     shift = dict(zip(offsets["rank"].tolist(), offsets["offset_ns"].tolist()))
     aligned = align.apply_offsets(events, offsets, inplace=True)
     pairs, instances = match.shift_pairs(pairs, shift, aligned), match.shift_instances(instances, shift)
-    offsets = clocks.placed_offsets(offsets, aligned, placed or {})
+    offsets = clocks.placed_offsets(offsets, placed or {})
     typical = float(pairs["transfer_ns"].median()) if len(pairs) else None
     warnings = [
         *warnings, *w_p2p, *w_coll, *w_align, *align.clock_drift_warnings(metas),

@@ -58,17 +58,14 @@ def place(events, metas, assume_same_run: bool, warnings: list) -> dict:
     return shift
 
 
-def placed_offsets(offsets, aligned, shift: dict):
-    """The offsets and raw clocks of a run whose ``shift`` ranks were placed before alignment
-    (:func:`place`): each rank's offset counts from its own recorded clock again, so that
-    ``raw - offset`` stays the aligned time (clock_offset_us says how far off it was)."""
+def placed_offsets(offsets, shift: dict):
+    """The offsets of a run whose ``shift`` ranks were placed before alignment (:func:`place`):
+    each rank's offset counts from its own recorded clock again, so that recorded time minus
+    offset stays the aligned time (Run.raw_ns; clock_offset_us says how far off it was)."""
     if not shift:
         return offsets
     per_rank = pd.Series(shift)
     offsets = offsets.copy()
     offsets["offset_ns"] = (offsets["offset_ns"].to_numpy(np.int64)
                             - per_rank.reindex(offsets["rank"].to_numpy()).fillna(0).to_numpy(np.int64))
-    per_row = per_rank.reindex(aligned["rank"].to_numpy()).fillna(0).to_numpy(np.int64)
-    aligned["raw_start_ns"] = aligned["raw_start_ns"].to_numpy(np.int64) - per_row
-    aligned["raw_end_ns"] = aligned["raw_end_ns"].to_numpy(np.int64) - per_row
     return offsets

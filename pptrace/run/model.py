@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import match
+from . import align, match
 from .claims import is_index
 from ..timeline import windows
 from ..timeline.activity import activities
@@ -28,7 +28,7 @@ class Run:
     from trace files, or by :meth:`from_events` from an events table (tests, tools).
     """
 
-    events: pd.DataFrame                 # aligned; raw_start_ns/raw_end_ns keep each rank's clock
+    events: pd.DataFrame                 # aligned (raw_ns: each rank's own clock)
     layout: Layout
     ranks: tuple                         # ranks with a loaded trace
     steps: tuple                         # profiled steps the results cover
@@ -62,6 +62,15 @@ class Run:
             object.__setattr__(self, name, tuple(getattr(self, name) or ()))
         if self.requested is not None:
             object.__setattr__(self, "requested", tuple(int(r) for r in self.requested))
+
+    def raw_ns(self, events: pd.DataFrame | None = None) -> pd.DataFrame:
+        """start_ns / end_ns of ``events`` (default: the run's) on each rank's own clock, as
+        its trace recorded them: columns raw_start_ns, raw_end_ns on the events' index. The
+        aligned time is the recorded one minus the rank's ``offsets`` (none: 0)."""
+        events = self.events if events is None else events
+        per_row = align.offsets_per_row(events["rank"].to_numpy(), self.offsets)
+        return pd.DataFrame({"raw_start_ns": events["start_ns"].to_numpy(np.int64) + per_row,
+                             "raw_end_ns": events["end_ns"].to_numpy(np.int64) + per_row}, index=events.index)
 
     @classmethod
     def from_events(cls, events: pd.DataFrame, layout: Layout, **kwargs) -> "Run":

@@ -67,7 +67,7 @@ def test_timeline_blocks_match_the_schedule(gpipe_run):
     assert tl.lanes[2].label == "rank 2 · pp2"
     b = tl.blocks
     ev = gpipe_run.events
-    offset = (ev["start_ns"] - ev["raw_start_ns"]).groupby(ev["rank"]).first() / 1e6  # ms
+    offset = (ev["start_ns"] - gpipe_run.raw_ns()["raw_start_ns"]).groupby(ev["rank"]).first() / 1e6  # ms
     origin = offset.min()
     for rank in range(p):
         mine = b[b["rank"] == rank]

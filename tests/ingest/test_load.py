@@ -14,7 +14,7 @@ import orjson
 
 from pptrace.ingest import document, files, frame, header, load, store as cache
 from pptrace.ingest.columnar import StoredTable, frame_from_tables, from_arrow, to_arrow
-from pptrace.ingest.schema import CATEGORIES, COLUMNS, RawEvent, classify
+from pptrace.ingest.schema import CATEGORIES, COLUMNS, INT32_COLUMNS, NULLABLE_INT_COLUMNS, RawEvent, classify, nullable_int
 from pptrace.ingest.header import read_header
 from pptrace.ingest.files import find_trace_files
 from pptrace.ingest.load import load_rank
@@ -182,7 +182,11 @@ def test_arrow_round_trip_keeps_values(hta_fixtures):
     expected = pd.concat([frame, other], ignore_index=True)
     for column in COLUMNS:
         assert joined[column].astype(object).equals(expected[column].astype(object)), column
-    assert str(joined["mb"].dtype) == "Int64" and joined["name"].dtype == "category"
+    assert joined["name"].dtype == "category"
+    # the documented dtypes, the same whether a rank was parsed or assembled
+    for column in NULLABLE_INT_COLUMNS:
+        want = "Int32" if column in INT32_COLUMNS else "Int64"
+        assert str(joined[column].dtype) == str(frame[column].dtype) == str(back[column].dtype) == want, column
 
 
 def _digest(path):
@@ -380,7 +384,20 @@ def test_stored_tables_assemble_like_a_concatenation(hta_fixtures, tmp_path):
     for column in COLUMNS:
         assert joined[column].astype(object).equals(expected[column].astype(object)), column
     assert joined["name"].cat.codes.dtype == np.int16 and joined["lane_kind"].cat.codes.dtype == np.int8
-    assert str(joined["stream"].dtype) == "Int64"
+    assert str(joined["stream"].dtype) == "Int32" and str(joined["correlation"].dtype) == "Int64"
+
+
+def test_values_an_int32_column_cannot_hold_are_null(tmp_path):
+    t = RankTrace(0)
+    t.step(1, 0, 1000)
+    t.region("compute:fwd mb=3000000000 layer=7", 10, 5)  # an mb past int32
+    t.add("kernel", 20, 5, cat="kernel", args={"stream": 2**40, "correlation": 2**40})
+    frame, _ = load_rank(t.write(tmp_path / "rank0.json"))
+    fwd = frame[frame["category"] == "compute"].iloc[0]
+    assert fwd["mb"] is pd.NA and fwd["layer"] == 7
+    kernel = frame[frame["name"] == "kernel"].iloc[0]
+    assert kernel["stream"] is pd.NA and kernel["correlation"] == 2**40  # Int64 holds it
+    assert nullable_int("mb", np.array([1, 2**31, -(2**31)]), np.zeros(3, bool)).tolist() == [1, pd.NA, -(2**31)]
 
 
 def test_cache_entries_are_arrow_files_that_replace_old_parquet_ones(tmp_path):

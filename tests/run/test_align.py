@@ -6,6 +6,7 @@ import gzip
 import orjson
 import pytest
 
+from pptrace.ingest.load import load_rank
 from pptrace.run.align import apply_offsets, estimate_offsets
 from pptrace.run.build import load_run
 from tracegen import pipeline_run
@@ -22,7 +23,7 @@ def test_synthetic_skews_recovered_within_their_bounds(tmp_path):
         assert error < 100_000  # latency is 50 µs: the bound is of that order
     # aligned times are true times (+ the common origin), raw times keep each rank's clock
     ev = run.events
-    assert (ev["raw_start_ns"] - ev["start_ns"]).groupby(ev["rank"]).first().to_dict() == {
+    assert (run.raw_ns()["raw_start_ns"] - ev["start_ns"]).groupby(ev["rank"]).first().to_dict() == {
         r: int(off.at[r, "offset_ns"]) for r in range(8)}
     # after alignment no recv ends before its send started
     assert (run.pairs["recv_end_ns"] >= run.pairs["send_start_ns"]).all()
@@ -73,13 +74,22 @@ def test_real_gloo_skew_recovered(gloo_run, tmp_path):
     assert ((a - b).abs() < 500_000).all()
 
 
-def test_apply_offsets_keeps_raw_columns(tmp_path):
+def test_raw_ns_are_the_traces_own_times(tmp_path):
     run_dir, _ = pipeline_run(tmp_path / "run", pp=2, microbatches=1, skew_ns={1: 1_000_000})
     run = load_run(run_dir, use_cache=False)
-    again = apply_offsets(run.events.drop(columns=["raw_start_ns", "raw_end_ns"]).assign(
-        start_ns=run.events["raw_start_ns"], end_ns=run.events["raw_end_ns"]), run.offsets)
-    assert (again["start_ns"] == run.events["start_ns"]).all()
-    assert (again["raw_end_ns"] == run.events["raw_end_ns"]).all()
+    raw = run.raw_ns()
+    for rank, trace in enumerate(sorted((run_dir / "traces").iterdir())):  # the times each trace wrote
+        recorded, meta = load_rank(trace)
+        assert meta["rank"] == rank
+        mine = raw[run.events["rank"].to_numpy() == rank]
+        assert mine["raw_start_ns"].tolist() == recorded["start_ns"].tolist()
+        assert mine["raw_end_ns"].tolist() == recorded["end_ns"].tolist()
+    assert abs(run.offsets.set_index("rank").at[1, "offset_ns"]) > 500_000  # rank 1's clock was moved
+    again = apply_offsets(run.events.assign(start_ns=raw["raw_start_ns"], end_ns=raw["raw_end_ns"]), run.offsets)
+    assert (again["start_ns"] == run.events["start_ns"]).all() and (again["end_ns"] == run.events["end_ns"]).all()
+    # a subset keeps its index
+    sub = run.events[run.events["rank"] == 1]
+    assert run.raw_ns(sub).index.equals(sub.index)
 
 
 @pytest.mark.slow

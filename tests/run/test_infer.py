@@ -133,8 +133,9 @@ def _passes(run, rank: int) -> list:
     ev = run.events
     c = ev[(ev["category"] == "compute") & (ev["rank"] == rank)].sort_values("start_ns")
     t0 = RankTrace(rank).raw_ns(0)
+    raw = run.raw_ns(c)
     return [(op, int(mb), round((s - t0) / 1e3, 3), round((e - t0) / 1e3, 3))
-            for op, mb, s, e in zip(c["op"].astype(str), c["mb"], c["raw_start_ns"], c["raw_end_ns"])]
+            for op, mb, s, e in zip(c["op"].astype(str), c["mb"], raw["raw_start_ns"], raw["raw_end_ns"])]
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,7 @@ def test_synthetic_passes_are_the_ops_between_posts(synthetic):
     # which its other forward does not run, is not
     act = synthetic.activities[0]
     ev = synthetic.events[synthetic.events["rank"] == 0]
-    t0 = RankTrace(0).raw_ns(0) + int((ev["start_ns"] - ev["raw_start_ns"]).iloc[0])  # on the aligned clock
+    t0 = RankTrace(0).raw_ns(0) + int((ev["start_ns"] - synthetic.raw_ns(ev)["raw_start_ns"]).iloc[0])  # on the aligned clock
     assert act.compute.covered([t0 + 10_000], [t0 + 100_000])[0] == 88_000
     assert not synthetic.events["name"].astype(str).str.contains("between_ops").any()
 
@@ -174,7 +175,8 @@ def test_synthetic_sends_pair_fifo_with_peers_and_directions(synthetic):
     # a send spans its post (the data leaves there) to its wait's end
     fwd0 = pairs[(pairs["direction"] == "fwd") & (pairs["mb"] == 0)].iloc[0]
     ev = synthetic.events
-    send, recv = ev.loc[fwd0["send_index"]], ev.loc[fwd0["recv_index"]]
+    raw = synthetic.raw_ns()
+    send, recv = raw.loc[fwd0["send_index"]], raw.loc[fwd0["recv_index"]]
     t0 = RankTrace(0).raw_ns(0)
     assert (send["raw_start_ns"] - t0, send["raw_end_ns"] - t0) == (100_000, 120_000)
     assert (recv["raw_start_ns"] - t0, recv["raw_end_ns"] - t0) == (2_000, 110_000)
@@ -553,7 +555,8 @@ def test_plain_megatron_core(tmp_path, schedule, world):
             # each logged pass lies in an inferred pass with its op, microbatch and chunk
             for p in (p for p in t["passes"] if p["step"] == step):
                 mid = (p["start_ns"] + p["end_ns"]) // 2
-                hit = mine[(mine["raw_start_ns"] <= mid) & (mine["raw_end_ns"] >= mid)]
+                raw = loaded.raw_ns(mine)
+                hit = mine[(raw["raw_start_ns"] <= mid) & (raw["raw_end_ns"] >= mid)]
                 assert [(str(o), int(m), int(c)) for o, m, c in zip(hit["op"], hit["mb"], hit["chunk"])] == [
                     (p["op"], p["mb"], p["chunk"])], (rank, step, p)
     assert_inside(brackets, "inferred passes")

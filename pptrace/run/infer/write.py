@@ -6,6 +6,8 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
+from ...ingest.schema import nullable_int
+
 
 def write_inference(events: pd.DataFrame, ops: pd.DataFrame, passes: pd.DataFrame, *more: dict | None) -> pd.DataFrame:
     """events with the inferred rows appended (the foreign rows stay as they are); ``more``:
@@ -112,11 +114,11 @@ def _append(events: pd.DataFrame, new: dict) -> pd.DataFrame:
             uniques = [v for v in pd.unique(values) if v is not None]
             extra = pd.Categorical(values, categories=pd.Index(uniques, dtype=col.cat.categories.dtype))
             cols[column] = union_categoricals([col.array, extra])
-        elif isinstance(col.dtype, pd.Int64Dtype):
+        elif isinstance(col.dtype, (pd.Int64Dtype, pd.Int32Dtype)):
             extra = pd.array(value if value is not None else [pd.NA] * n, dtype="Int64")
             data = np.concatenate([col.to_numpy(np.int64, na_value=0), extra.to_numpy(np.int64, na_value=0)])
             mask = np.concatenate([col.isna().to_numpy(), pd.isna(extra)])
-            cols[column] = pd.arrays.IntegerArray(data, mask)
+            cols[column] = nullable_int(column, data, mask)
         elif col.dtype == bool:
             cols[column] = np.concatenate([col.to_numpy(), value if value is not None else np.zeros(n, bool)])
         else:
