@@ -175,8 +175,11 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     enq = np.flatnonzero(host & str_test(lane, lambda s: s == "main") & str_test(
         name, lambda s: s.startswith("c10d::") and not re.search("send|recv|barrier", s)))
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
-    family = _per_value(name.iloc[np.r_[work, enq]], lambda v: _family(str(v)), None)
-    queue = row_codes(np.r_[group[work], group[enq]], family)  # one FIFO queue per rank and family
+    families = {None: 0}  # a null name is of family None, as a name _family knows nothing of
+    family = _per_value(name.iloc[np.r_[work, enq]], lambda v: families.setdefault(_family(str(v)), len(families)),
+                        0, np.int64)
+    # one FIFO queue per rank and family, numbered 0, 1, ...: their order does not matter
+    queue = np.unique(np.r_[group[work], group[enq]] * len(families) + family, return_inverse=True)[1]
     w_q, e_q = queue[:len(work)], queue[len(work):]
     order = np.lexsort((work, start[work], w_q))
     work, w_q = work[order], w_q[order]
@@ -198,16 +201,18 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     before[later] = head[:-1][later[1:]]
     took = head > before
     work, t = work[took], e_start[e_first[w_q[took]] + before[took]]
-    contract = rng[(rng["contract"] & (rng["end"] > rng["start"])).to_numpy()]
+    r_start, r_end = rng["start"].to_numpy(), rng["end"].to_numpy()
+    contract = np.flatnonzero(rng["contract"].to_numpy() & (r_end > r_start))
     # innermost: the latest start, then the first row, as weights ranking the ranges
-    contract = contract.iloc[np.lexsort((-contract["row"].to_numpy(), contract["start"].to_numpy()))]
-    inner = cover_max(contract["group"].to_numpy(), contract["start"].to_numpy(), contract["end"].to_numpy(),
+    contract = contract[np.lexsort((-rng["row"].to_numpy()[contract], r_start[contract]))]
+    inner = cover_max(rng["group"].to_numpy()[contract], r_start[contract], r_end[contract],
                       np.arange(len(contract)), group[work], t)
     found = inner >= 0
-    work, inner = work[found], contract.iloc[inner[found]]
-    is_comm = ((inner["launch"] | inner["wait"]) & inner["kind"].isin(COMM_DIMS)).to_numpy()
+    work, inner = work[found], contract[inner[found]]  # rows of rng
+    kind = rng["kind"].iloc[inner]
+    is_comm = (rng["launch"].to_numpy()[inner] | rng["wait"].to_numpy()[inner]) & kind.isin(COMM_DIMS).to_numpy()
     work, inner = work[is_comm], inner[is_comm]
-    return (group[work], inner["kind"].to_numpy(object), start[work], end[work], inner["final"].to_numpy())
+    return (group[work], kind.to_numpy(object)[is_comm], start[work], end[work], rng["final"].to_numpy()[inner])
 
 
 def _depths(lane: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
