@@ -15,8 +15,16 @@ import pandas as pd
 def dense_ranks(*arrays) -> tuple[list, int]:
     """The dense ranks of the values of all ``arrays`` together (one array per input), and
     a size above every rank: ``lane * size + rank`` sorts as (lane, value)."""
-    uniq, inv = np.unique(np.concatenate([np.asarray(a, np.int64) for a in arrays]), return_inverse=True)
-    return np.split(inv.astype(np.int64), np.cumsum([len(a) for a in arrays])[:-1]), len(uniq) + 1
+    values = np.concatenate([np.asarray(a, np.int64) for a in arrays])
+    if not len(values):
+        return [np.zeros(0, np.int64) for _ in arrays], 1
+    # a stable argsort, not np.unique's quicksort: times come in sorted runs, which it merges
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    rank = np.r_[0, np.cumsum(ordered[1:] != ordered[:-1])]
+    inv = np.empty(len(values), np.int64)
+    inv[order] = rank
+    return np.split(inv, np.cumsum([len(a) for a in arrays])[:-1]), int(rank[-1]) + 2
 
 
 def lane_keys(lanes: list, times: list) -> list:
@@ -125,7 +133,9 @@ def cover_max(p_group, p_lo, p_hi, p_w, q_group, q_t) -> np.ndarray:
     if not len(p_lo) or not len(q_t):
         return out
     lo_key, hi_key, q_key = lane_keys([p_group, p_group, q_group], [p_lo, p_hi, q_t])
-    bounds = np.sort(np.r_[lo_key, hi_key])
+    # stable: numpy's merge sort takes the runs the keys come in (by group, then start) as they
+    # are, ~6x quicker than its quicksort on such keys; the values sort the same either way
+    bounds = np.sort(np.r_[lo_key, hi_key], kind="stable")
     bounds = bounds[np.r_[True, bounds[1:] != bounds[:-1]]]  # not np.unique: numpy 2's hashes 10x slower here
     first, stop = np.searchsorted(bounds, lo_key), np.searchsorted(bounds, hi_key)  # pieces [first, stop)
     level = np.frexp((stop - first).astype(np.float64))[1].astype(np.int64) - 1  # floor(log2), exactly

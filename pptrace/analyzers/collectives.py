@@ -109,18 +109,21 @@ def collectives_by_dim(run, partitions, inst: pd.DataFrame | None = None,
     """One row per dimension with communication: per rank per step means (``waits`` as in
     waits_by_rank)."""
     ev = run.events
-    calls = ev[ev["category"].isin(COMM_CATEGORIES) & (ev["lane_kind"] == "host")
-               & ~ev["gpu_annotation"] & (ev["step"] >= 0)]
+    keep = (ev["category"].isin(COMM_CATEGORIES) & (ev["lane_kind"] == "host")
+            & ~ev["gpu_annotation"] & (ev["step"] >= 0)).to_numpy()
     if run.steps:
-        calls = calls[calls["step"].isin(list(run.steps))]
+        keep = keep & ev["step"].isin(list(run.steps)).to_numpy()
+    calls = ev.loc[keep, ["kind", "op", "bytes"]]  # the columns read below, not a copy of every row's all
     n_rank_steps = max(len(partitions), 1)
     waits = profiled_waits(run, inst) if waits is None else waits
+    w_dim = waits["dim"].to_numpy(object) if not waits.empty else None
+    waits = waits[["wait_ns", "transfer_ns"]]
     rows = []
     for dim in COMM_DIMS:
         mine = calls[calls["kind"] == dim]
         exposed = int(partitions.totals(f"{dim}_exposed").sum()) / n_rank_steps / 1e9
         hidden = int(partitions.hidden[dim].sum()) / n_rank_steps / 1e9
-        w = waits[waits["dim"] == dim] if not waits.empty else waits
+        w = waits[w_dim == dim] if w_dim is not None else waits
         if mine.empty and exposed == 0 and hidden == 0 and w.empty:
             continue
         rows.append({
