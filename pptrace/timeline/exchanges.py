@@ -187,7 +187,8 @@ def busy_intervals(events: pd.DataFrame) -> dict:
     launch work (the p2p ranges there are GPU extents)."""
     if on_gpu(events):
         return {}
-    sel = events[(events["category"] == "compute").to_numpy() & (events["lane_kind"] == "host").to_numpy()]
+    sel = events.loc[(events["category"] == "compute").to_numpy() & (events["lane_kind"] == "host").to_numpy(),
+                     ["rank", "start_ns", "end_ns"]]
     if sel.empty:
         return {}
     ranks, lane = np.unique(sel["rank"].to_numpy(), return_inverse=True)
