@@ -29,7 +29,7 @@ from ..ingest.schema import tags_of
 from ..ingest.nccl import group_members, is_p2p_collective
 from .projection import KERNEL_CATEGORIES, gpu_extent
 from .intervals import Intervals, union_by_group
-from ..sweeps import cover_max, dense_ranks, dominance_max
+from ..sweeps import cover_max, dense_ranks, dominance_max, lane_keys
 from ..vocab import COMM_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
@@ -253,6 +253,20 @@ def _depths(lane: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarra
     return (idx - lane_start) - (gone - gone_before)
 
 
+def _by_lane_start_longest(lane, starts, ends, row) -> np.ndarray:
+    """The order of np.lexsort((row, -ends, starts, lane)). A rank's table is sorted by
+    (start, longest first) with ties in row order, so each lane's rows in row order usually
+    are in that order already: then a stable sort by lane is the answer (checked, not assumed:
+    rows appended by inference are not)."""
+    order = np.argsort(lane, kind="stable")
+    l, s, e = lane[order], starts[order], ends[order]
+    same = l[1:] == l[:-1]
+    if not (same & ((s[1:] < s[:-1]) | ((s[1:] == s[:-1]) & (e[1:] > e[:-1])))).any() and (
+            not len(row) or (np.diff(row) > 0).all()):
+        return order
+    return np.lexsort((row, -ends, starts, lane))
+
+
 def _innermost_compute(rng: pd.DataFrame) -> tuple:
     """(group, start, end) of the pieces where a thread's innermost contract range is a
     compute range: a TP all-reduce nested in a forward is not compute, and a weight-gradient
@@ -264,13 +278,14 @@ def _innermost_compute(rng: pd.DataFrame) -> tuple:
     lane_group = np.zeros(int(lane.max()) + 1 if len(lane) else 0, np.int64)
     lane_group[lane] = rng["group"].to_numpy()
     starts, ends = rng["start"].to_numpy(), rng["end"].to_numpy()
-    order = np.lexsort((rng["row"].to_numpy(), -ends, starts, lane))
+    order = _by_lane_start_longest(lane, starts, ends, rng["row"].to_numpy())
     lane, starts, ends = lane[order], starts[order], ends[order]
     weight = 2 * _depths(lane, starts, ends) + rng["compute"].to_numpy()[order]
     real = ends > starts
     lane, starts, ends, weight = lane[real], starts[real], ends[real], weight[real]
     b_lane, b_time = np.r_[lane, lane], np.r_[starts, ends]
-    order = np.lexsort((b_time, b_lane))
+    # lexsort((b_time, b_lane)) as one key: a stable sort merges its runs (the starts are sorted)
+    order = np.argsort(lane_keys([b_lane], [b_time])[0], kind="stable")
     b_lane, b_time = b_lane[order], b_time[order]
     seg = np.flatnonzero((b_lane[1:] == b_lane[:-1]) & (b_time[1:] > b_time[:-1]))
     # the pieces lie between consecutive bounds: a range over a piece's start spans all of it

@@ -63,3 +63,23 @@ def test_all_ranks_at_once_equal_one_rank_at_a_time(tmp_path):
         assert alone.compute.total > 0 and alone.step_final["dp"].total > 0
     # a rank asked for without events has none
     assert activities(run.events, [3, 9], run.layout)[9].compute.total == 0
+
+
+def test_range_order_is_lexsorts_whether_or_not_the_rows_come_sorted():
+    """_by_lane_start_longest takes a stable sort by lane when each lane's rows already come
+    in (start, longest first) order, as a rank's table has them; else it falls back to the
+    lexsort. Both must give the lexsort's order, ties (same start and end) included."""
+    from pptrace.timeline.activity import _by_lane_start_longest
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n = int(rng.integers(0, 60))
+        lane = rng.integers(0, 4, n)
+        starts = rng.integers(0, 10, n)
+        ends = starts + rng.integers(0, 4, n)
+        row = np.sort(rng.choice(1000, n, replace=False))
+        if trial % 2:  # each lane's rows in the table's order: the fast path
+            by = np.lexsort((row, -ends, starts))
+            lane, starts, ends = lane[by], starts[by], ends[by]
+        want = np.lexsort((row, -ends, starts, lane))
+        assert _by_lane_start_longest(lane, starts, ends, row).tolist() == want.tolist(), trial
