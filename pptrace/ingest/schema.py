@@ -127,7 +127,6 @@ COLUMNS = (
 )
 
 
-
 def nullable_int(column: str, data: np.ndarray, mask: np.ndarray) -> pd.arrays.IntegerArray:
     """The nullable array of ``column`` (a NULLABLE_INT_COLUMNS name) from int64 ``data`` and
     its null ``mask``: Int32 for INT32_COLUMNS, where a value int32 cannot hold is null."""

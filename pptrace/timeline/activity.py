@@ -175,7 +175,7 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     enq = np.flatnonzero(host & str_test(lane, lambda s: s == "main") & str_test(
         name, lambda s: s.startswith("c10d::") and not re.search("send|recv|barrier", s)))
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
-    families = {None: 0}  # a null name is of family None, as a name _family knows nothing of
+    families = {None: 0}  # null names: a family of their own, 0
     family = _per_value(name.iloc[np.r_[work, enq]], lambda v: families.setdefault(_family(str(v)), len(families)),
                         0, np.int64)
     # one FIFO queue per rank and family, numbered 0, 1, ...: their order does not matter
@@ -259,8 +259,8 @@ def _by_lane_start_longest(lane, starts, ends, row) -> np.ndarray:
     are in that order already: then a stable sort by lane is the answer (checked, not assumed:
     rows appended by inference are not)."""
     order = np.argsort(lane, kind="stable")
-    l, s, e = lane[order], starts[order], ends[order]
-    same = l[1:] == l[:-1]
+    ln, s, e = lane[order], starts[order], ends[order]
+    same = ln[1:] == ln[:-1]
     if not (same & ((s[1:] < s[:-1]) | ((s[1:] == s[:-1]) & (e[1:] > e[:-1])))).any() and (
             not len(row) or (np.diff(row) > 0).all()):
         return order

@@ -17,6 +17,7 @@ import pytest
 
 import pptrace
 from pptrace.errors import TraceError
+from pptrace.ingest.load import load_rank
 from hostile import checksums, no_traceback, one_line_error, pptrace as run_pptrace
 from tracegen import KINETO_BASE_NS, pipeline_run
 
@@ -97,6 +98,10 @@ def test_a_skew_of_hours_is_refused_with_the_way_on_and_aligned_when_asked(tmp_p
         assert r.returncode == 0, (command, r.stderr[-2000:])
     analysis = pptrace.analyze(run_dir, assume_same_run=True, use_cache=False, progress=False)
     assert analysis.run.offsets_ns[1] == pytest.approx(HOURS, abs=100_000)
+    # the placed rank's own clock is still the one its trace recorded, hours off (Run.raw_ns)
+    recorded, _ = load_rank(run_dir / "traces" / "rank1.json")
+    raw = analysis.run.raw_ns()[analysis.run.events["rank"].to_numpy() == 1]
+    assert raw["raw_start_ns"].tolist() == recorded["start_ns"].tolist()
     with pytest.raises(TraceError, match="assume-same-run"):
         pptrace.analyze(run_dir, use_cache=False, progress=False)
     assert checksums(run_dir) == before
