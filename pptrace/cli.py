@@ -22,12 +22,13 @@ import click
 
 from . import __version__
 from .errors import TraceError
-from .ingest.memory import prefer_small_pages, prefer_system_arrow_pool
+from .ingest.memory import prefer_heap_for_large_blocks, prefer_small_pages, prefer_system_arrow_pool
 from .ingest.files import human_size
 from .vocab import SCHEDULES
 
 prefer_system_arrow_pool()  # before anything imports pyarrow: see ingest/memory.py
 prefer_small_pages()  # before anything imports numpy: see there
+prefer_heap_for_large_blocks()  # see there
 
 
 #: What the output writes beyond ASCII, for a stream that cannot hold it

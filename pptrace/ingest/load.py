@@ -339,4 +339,5 @@ def parse_again(item: StoredTable):
 def assemble(tables: list):
     """The run's frame from the per-rank tables of :func:`load_ranks` (columnar.frame_from_tables;
     ``tables`` is emptied), a broken cache entry among them parsed again."""
+    memory.large_blocks_on_heap()  # the parse workers are done (memory.py)
     return frame_from_tables(tables, reparse=parse_again, key=cache.secret())
