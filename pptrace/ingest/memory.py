@@ -53,7 +53,7 @@ def prefer_heap_for_large_blocks() -> None:
     a fresh mmap, faulted in page by page when written and unmapped when freed, and the
     analysis makes many: on the benchmark's 2-core machine, cached ``pptrace analyze`` of the
     128 x 150 MB MoE-sized run took 33 s against 41-44 s (its analysis 12.8 against 22-23 s),
-    of the 1,024-rank run 5.5-6.2 s against 6.9-7.3 s, for ~5% more peak (heap pages stay with
+    of the 1,024-rank run 5.5-6.2 s against 6.9-7.3 s, for ~7% more peak (heap pages stay with
     the process until :func:`release` trims them)."""
     global _heap_wanted
     _heap_wanted = "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform.startswith("linux")
