@@ -49,8 +49,10 @@ def to_arrow(df: pd.DataFrame):
             values = pa.array([str(v) for v in cat.categories], type=pa.string())
             arrays.append(pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), values))
         elif field.name in NULLABLE_INT_COLUMNS:
-            array = nullable_int(field.name, col.to_numpy(dtype=np.int64, na_value=0), col.isna().to_numpy())
-            arrays.append(pa.array(array.to_numpy(array.dtype.numpy_dtype, na_value=0), mask=array.isna(), type=field.type))
+            array = col.array  # build_frame's tables have the schema's dtypes already
+            if array.dtype != (pd.Int32Dtype() if field.name in INT32_COLUMNS else pd.Int64Dtype()):
+                array = nullable_int(field.name, col.to_numpy(dtype=np.int64, na_value=0), col.isna().to_numpy())
+            arrays.append(pa.array(array, type=field.type))
         else:
             arrays.append(pa.array(col.to_numpy(), type=field.type))
     return pa.Table.from_arrays(arrays, schema=schema)

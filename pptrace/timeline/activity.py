@@ -179,7 +179,7 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     family = _per_value(name.iloc[np.r_[work, enq]], lambda v: families.setdefault(_family(str(v)), len(families)),
                         0, np.int64)
     # one FIFO queue per rank and family, numbered 0, 1, ...: their order does not matter
-    queue = np.unique(np.r_[group[work], group[enq]] * len(families) + family, return_inverse=True)[1]
+    (queue,), _ = dense_ranks(np.r_[group[work], group[enq]] * len(families) + family)
     w_q, e_q = queue[:len(work)], queue[len(work):]
     order = np.lexsort((work, start[work], w_q))
     work, w_q = work[order], w_q[order]
