@@ -84,7 +84,7 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     is_work = np.logical_or.reduce(list(kinds.values()))
     is_call = (events["lane_kind"] == "host").to_numpy() & (category == "runtime").to_numpy()
     rows = np.flatnonzero(is_work | is_call)
-    ranks = events["rank"].to_numpy(np.int64)[rows]
+    ranks = events["rank"].to_numpy()[rows].astype(np.int64)
     by_rank = np.argsort(ranks, kind="stable")  # the table is by rank already: a linear pass
     rows, ranks = rows[by_rank], ranks[by_rank]
     # cut between ranks, about CHUNK_ROWS rows apart

@@ -469,7 +469,7 @@ def clock_drift_warnings(metas: dict) -> list[str]:
 def offsets_per_row(rank: np.ndarray, offsets: pd.DataFrame | None) -> np.ndarray:
     """Each row's rank's ``offset_ns`` (0 for a rank without one): a lookup table of the
     ranks' offsets, not a hash per row."""
-    rank = np.asarray(rank, np.int64)
+    rank = np.asarray(rank)  # as it is: the events' int32 (an int64 copy took 0.2 s at 8 M rows)
     if offsets is None or not len(rank):
         return np.zeros(len(rank), np.int64)
     ranks, shift = offsets["rank"].to_numpy(np.int64), offsets["offset_ns"].to_numpy(np.int64)
@@ -482,8 +482,9 @@ def apply_offsets(events: pd.DataFrame, offsets: pd.DataFrame, inplace: bool = F
     """Shift start_ns/end_ns onto the reference clock (Run.raw_ns shifts them back)."""
     per_row = offsets_per_row(events["rank"].to_numpy(), offsets)
     out = events.copy(deep=False) if not inplace else events
-    out["start_ns"] = events["start_ns"].to_numpy(np.int64) - per_row
-    out["end_ns"] = events["end_ns"].to_numpy(np.int64) - per_row
+    for column in ("start_ns", "end_ns"):
+        # a Series: pandas copies an ndarray set as a column (0.4 s of fresh pages at 8 M rows)
+        out[column] = pd.Series(events[column].to_numpy(np.int64) - per_row, index=events.index, copy=False)
     return out
 
 

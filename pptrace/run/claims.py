@@ -56,8 +56,9 @@ def _p2p_contradiction(events, layout) -> str | None:
            & ev["op"].isin(list(DIRECTION_OF)).to_numpy() & ev["peer"].notna().to_numpy())
     if not sel.any():
         return None
-    rank = ev["rank"].to_numpy(np.int64)[sel]
-    peer = ev["peer"].to_numpy(np.int64, na_value=-1)[sel]
+    # selected, then widened: the whole column as int64 first cost 0.3 s at 8 M rows
+    rank = ev["rank"].to_numpy()[sel].astype(np.int64)
+    peer = ev["peer"].array[sel].to_numpy(np.int64, na_value=-1)
     world, pp = layout.world_size, layout.pp
     stride = layout.rank(pp=1) if pp > 1 else 0
     stage = (rank // max(stride, 1)) % pp

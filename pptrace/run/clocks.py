@@ -27,7 +27,7 @@ def place(events, metas, assume_same_run: bool, warnings: list) -> dict:
     others' (one run's ranks profile the same window); the rank furthest off is named."""
     if events.empty:
         return {}
-    mid = events.groupby("rank", observed=True)["start_ns"].median().astype("int64")
+    mid = _rank_medians(events["rank"].to_numpy(), events["start_ns"].to_numpy(np.int64))
     free = {r for r in mid.index if metas[r].get("clock_unknown")}
     known = mid[[r for r in mid.index if r not in free]]
     if len(known) > 1 and known.max() - known.min() > MAX_START_SPREAD_NS:
@@ -53,9 +53,33 @@ def place(events, metas, assume_same_run: bool, warnings: list) -> dict:
     shift = {int(r): target - int(mid[r]) for r in sorted(free)}
     rank = events["rank"].to_numpy()
     per_row = pd.Series(shift).reindex(rank).fillna(0).to_numpy(np.int64)
-    events["start_ns"] = events["start_ns"].to_numpy(np.int64) + per_row
-    events["end_ns"] = events["end_ns"].to_numpy(np.int64) + per_row
+    for column in ("start_ns", "end_ns"):  # a Series, not copied as an ndarray would be (align.apply_offsets)
+        events[column] = pd.Series(events[column].to_numpy(np.int64) + per_row, index=events.index, copy=False)
     return shift
+
+
+#: rows of a rank whose starts give its median (evenly spaced over its rows): ample to place
+#: a clock hours off, and a fixed cost however many rows the rank has
+MEDIAN_SAMPLE = 1025
+
+
+def _rank_medians(rank: np.ndarray, start: np.ndarray) -> pd.Series:
+    """rank -> the median start of its rows; of MEDIAN_SAMPLE rows evenly spaced over them
+    where it has more. The exact median of every row (a groupby over all of them) cost 0.2 s,
+    and 1-2 s of first-touched memory, of a cached 1,024-rank load, for a placement that only
+    has to land within seconds."""
+    if len(rank) > 1 and (rank[1:] < rank[:-1]).any():  # the loader's tables come rank by rank
+        order = np.argsort(rank, kind="stable")
+        rank, start = rank[order], start[order]
+    first = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
+    size = np.diff(np.r_[first, len(rank)])
+    taken = np.minimum(size, MEDIAN_SAMPLE)
+    group = np.repeat(np.arange(len(first)), taken)
+    nth = np.arange(taken.sum()) - np.repeat(np.cumsum(taken) - taken, taken)
+    spacing = np.where(size > MEDIAN_SAMPLE, (size - 1) / (MEDIAN_SAMPLE - 1), 1.0)
+    rows = first[group] + np.rint(nth * spacing[group]).astype(np.int64)
+    mid = pd.Series(start[rows]).groupby(group).median().to_numpy()
+    return pd.Series(mid.astype(np.int64), index=pd.Index(rank[first].astype(np.int64), name="rank"))
 
 
 def placed_offsets(offsets, shift: dict):

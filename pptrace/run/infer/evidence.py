@@ -20,7 +20,8 @@ TORCH_SCHEDULE_PREFIX = ("Schedule", "PipelineSchedule", "_PipelineSchedule")
 def passes_of(events: pd.DataFrame) -> pd.DataFrame:
     """Every pass on the host in a profiled step (contract or inferred ``compute:<op>``
     rows): rank, step, start_ns, op, mb and chunk (-1 where untagged)."""
-    sel = events[(events["category"] == "compute").to_numpy() & (events["lane_kind"] == "host").to_numpy()
+    columns = ["rank", "step", "start_ns", "op", "mb", "chunk"]  # what is read, not every column
+    sel = events[columns][(events["category"] == "compute").to_numpy() & (events["lane_kind"] == "host").to_numpy()
                  & ~events["gpu_annotation"].to_numpy() & events["op"].isin(list(PASS_OPS)).to_numpy()
                  & (events["step"].to_numpy() >= 0)]
     return pd.DataFrame({
