@@ -77,24 +77,32 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     w_step = np.array([s for _, s in keys], np.int64)
     w_start = np.array([windows[k].start_ns for k in keys], np.int64)
     w_end = np.array([windows[k].end_ns for k in keys], np.int64)
-    # the GPU's work and the host's launch calls only: arrays over every row of a GPU
-    # trace's table were most of this analysis' memory
+    # the GPU's work and the host's launch calls only, told apart by the codes of the
+    # category column (its own array) and not by a mask per kind: arrays over every row of
+    # a GPU trace's table were most of this analysis' memory
     category = events["category"]
-    kinds = {name: (category == name).to_numpy() for name in GPU_ACTIVITY}
-    is_work = np.logical_or.reduce(list(kinds.values()))
-    is_call = (events["lane_kind"] == "host").to_numpy() & (category == "runtime").to_numpy()
-    rows = np.flatnonzero(is_work | is_call)
-    ranks = events["rank"].to_numpy()[rows].astype(np.int64)
-    by_rank = np.argsort(ranks, kind="stable")  # the table is by rank already: a linear pass
-    rows, ranks = rows[by_rank], ranks[by_rank]
+    if isinstance(category.dtype, pd.CategoricalDtype):
+        codes, names = category.cat.codes.to_numpy(), category.cat.categories
+    else:  # a hand-built frame
+        codes, names = pd.factorize(category)
+        names = pd.Index(names)
+    code_of = {name: names.get_loc(name) if name in names else -2 for name in (*GPU_ACTIVITY, "runtime")}
+    is_call = (codes == code_of["runtime"]) & (events["lane_kind"] == "host").to_numpy()
+    rows = np.flatnonzero(np.isin(codes, [code_of[name] for name in GPU_ACTIVITY]) | is_call)
+    is_call, ranks = is_call[rows], events["rank"].to_numpy()[rows]
+    if (ranks[1:] < ranks[:-1]).any():  # the loader's table comes rank by rank
+        by_rank = np.argsort(ranks, kind="stable")
+        rows, ranks, is_call = rows[by_rank], ranks[by_rank], is_call[by_rank]
+    code = codes[rows]
     # cut between ranks, about CHUNK_ROWS rows apart
     first = np.searchsorted(ranks, w_rank[np.r_[True, w_rank[1:] != w_rank[:-1]]])
     cuts = [0, *first[np.r_[False, np.diff(first // CHUNK_ROWS) > 0]].tolist(), len(rows)]
     columns = {"start": events["start_ns"].to_numpy(np.int64), "end": events["end_ns"].to_numpy(np.int64),
-               "correlation": events["correlation"], "is_work": is_work, "is_call": is_call, **kinds}
+               "correlation": events["correlation"]}
     # each chunk's windows: those of its ranks (the windows tile as the rows do)
     w_cuts = [0, *np.searchsorted(w_rank, ranks[cuts[1:-1]]).tolist(), len(w_rank)]
-    parts = [_sweep(columns, rows[a:b], ranks[a:b], w_rank[c:d], w_start[c:d], w_end[c:d])
+    parts = [_sweep(columns, rows[a:b], ranks[a:b], code[a:b], is_call[a:b], code_of,
+                    w_rank[c:d], w_start[c:d], w_end[c:d])
              for a, b, c, d in zip(cuts[:-1], cuts[1:], w_cuts[:-1], w_cuts[1:])]
     got = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
     window = w_end - w_start
@@ -114,9 +122,11 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     return table[list(COLUMNS)]
 
 
-def _sweep(columns: dict, rows: np.ndarray, ranks: np.ndarray, w_rank, w_start, w_end) -> dict:
+def _sweep(columns: dict, rows: np.ndarray, ranks: np.ndarray, code: np.ndarray, is_call: np.ndarray,
+           code_of: dict, w_rank, w_start, w_end) -> dict:
     """ns of each measure in each window (w_*: windows of the ranks ``rows`` belong to, and
-    maybe of ranks without rows), from the GPU work and launch calls ``rows`` of ``columns``."""
+    maybe of ranks without rows), from the GPU work and launch calls ``rows`` of ``columns``
+    (``code``: their category's, ``code_of`` a category's code; ``is_call``: which are calls)."""
     start, end = columns["start"][rows], columns["end"][rows]
     offset = private_axes(np.concatenate([ranks, w_rank]), np.concatenate([start, w_start]),
                           np.concatenate([end, w_end]))
@@ -128,17 +138,16 @@ def _sweep(columns: dict, rows: np.ndarray, ranks: np.ndarray, w_rank, w_start, 
     def of(mask) -> Intervals:
         return union(start[mask], end[mask])
 
-    is_call = columns["is_call"][rows]
-    compute = of(columns["kernel_compute"][rows])
-    comm = of(columns["kernel_comm"][rows])
-    memcpy = of(columns["memcpy"][rows])
+    compute = of(code == code_of["kernel_compute"])
+    comm = of(code == code_of["kernel_comm"])
+    memcpy = of(code == code_of["memcpy"])
     # one sweep of the three sets answers every combination below (bit 1 compute, 2 comm, 4 memcpy)
     lo, hi, member = segments([compute, comm, memcpy])
     busy = from_segments(lo, hi, member != 0)
     runtime = of(is_call)
     correlation = columns["correlation"].iloc[rows]
     launch_end = _launch_ends(ranks, correlation.to_numpy(np.int64, na_value=0), correlation.notna().to_numpy(),
-                              start, end, is_call, columns["is_work"][rows])
+                              start, end, is_call, ~is_call)  # a row is work or a call
 
     def within(s: Intervals) -> np.ndarray:
         return s.covered(ws, we)
