@@ -32,9 +32,9 @@ command's tree (getrusage of the reaped child); "tree" the largest sum of PSS ov
 sampled every 50 ms (pptrace and HTA may start worker processes), never below "peak". A command
 whose tree passes --cap-gb is killed (the machine is shared) and reported as such. Targets are
 printed PASS/MISS, never asserted: cold <= 1.0x and cached <= 0.2x the orjson parse and tree peak
-<= 0.5x the uncompressed traces (trainer); HTA / cold >= 8 (gpu); time per event from the
-next-largest to the largest N growing at most 1.125x (1,024 / 256 ranks within 4.5x) and the tree
-peak at the largest N < 4 GB (scale); time per byte from the smaller to the larger run growing at
+<= 0.5x the uncompressed traces (trainer); HTA / cold >= 8 (gpu); cached <= 0.2x the orjson parse
+from 256 ranks (CACHED_TARGET_RANKS), time per event from the next-largest to the largest N growing
+at most 1.125x (1,024 / 256 ranks within 4.5x) and the tree peak at the largest N < 4 GB (scale); time per byte from the smaller to the larger run growing at
 most 1.2x, tree peaks < 4 GB, the page drawn within PAGE_BOUND_S and the timeline's blocks within
 the dashboard's bound, with its down-sampling note when it merged blocks (realistic). The last
 line printed is every number, as JSON.
@@ -69,6 +69,8 @@ GPU_FIXTURE = {False: ("sendrecv_allreduce_world8_rank3.json.gz", 8), True: ("nc
 SCALE_OPS = {False: 250, True: 5}  # aten ops per compute range: 250 is ~3 MB of JSON per rank
 SCALE_RANKS = {False: "64,256,1024", True: "2,4"}
 REALISTIC_RANKS = {False: "32,128", True: "8,16"}
+#: the scale mode's cached/orjson target holds from this many ranks (issue 27: 256 and 1,024)
+CACHED_TARGET_RANKS = {False: 256, True: 0}
 REALISTIC_MB = {False: 150.0, True: 1.0}
 # the realistic skeleton: GPipe on pp=8 with MoE-like microbatch counts (the timeline of 128 ranks
 # then holds more blocks than the dashboard draws), and each op's JSON (write_dense, gpu=True)
@@ -465,8 +467,14 @@ def mode_scale(args) -> dict:
         print(f"   {n:>6}{res['json_mb']:>9.0f}{res.get('events', 0):>10}{res.get('generated_s', 0):>7.0f}{text}")
     out = {"per_ranks": {str(n): r for n, r in per_n.items()}, "targets": {}}
     for n, res in per_n.items():
-        out["targets"][f"cached/orjson {n}"] = verdict(
-            f"cached / orjson at {n} ranks", ratio(res, "pptrace cached", "orjson"), "<=", 0.2)
+        # the target holds from CACHED_TARGET_RANKS (issue 27's sizes); below, the fresh
+        # interpreter's imports (~0.35 s) are most of a cached run, so the ratio is shown only
+        cached = ratio(res, "pptrace cached", "orjson")
+        if n >= CACHED_TARGET_RANKS[args.quick]:
+            out["targets"][f"cached/orjson {n}"] = verdict(f"cached / orjson at {n} ranks", cached, "<=", 0.2)
+        elif cached is not None:
+            print(f"  {f'cached / orjson at {n} ranks':<40} {cached:8.2f}  (no target below "
+                  f"{CACHED_TARGET_RANKS[args.quick]} ranks)")
     if len(per_n) >= 2:
         out["targets"] |= growth(per_n, "events", 1.125)  # 4.5x for 256 -> 1,024 ranks
     biggest = per_n[max(per_n)]

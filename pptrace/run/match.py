@@ -33,6 +33,8 @@ _WORLD_GROUP = '"group":"world"'
 #: The experts' gradient sync (tag group=edp): over the expert-data-parallel group
 _EDP_GROUP = '"group":"edp"'
 _P2P_KINDS = ("pp", "cp")
+_P2P_OP_COLUMNS = ("rank", "kind", "op", "peer", "mb", "chunk", "ring_step", "layer", "step", "pg_name", "bytes",
+                   "start_ns", "end_ns", "external_id", "correlation")
 # group: the NCCL process group of inferred ops ("" for contract ranges, which carry none)
 _KEY = ["kind", "src", "dst", "direction", "mb", "chunk", "ring_step", "layer", "step", "group"]
 
@@ -46,7 +48,8 @@ def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
     # Filter on the cheap categorical columns first; string tests only on what is left.
     pre = (events["kind"].isin(_P2P_KINDS) & events["peer"].notna() & (events["lane_kind"] == "host")
            & ~events["gpu_annotation"]).to_numpy()
-    ev = events[pre]
+    # the columns read here and by gpu_extent, not every column of the rows
+    ev = events[[c for c in _P2P_OP_COLUMNS if c in events.columns]][pre]
     is_send = str_test(ev["op"], lambda s: s.startswith("send_"))
     keep = is_send | str_test(ev["op"], lambda s: s.startswith("recv_"))
     ev, send = ev[keep], is_send[keep]
