@@ -23,8 +23,9 @@ def place(events, metas, assume_same_run: bool, warnings: list) -> dict:
     communication (``free``). Those are the ranks whose baseTimeNanoseconds is corrupt and,
     under ``assume_same_run``, those whose events lie hours from the others'; without it,
     traces hours apart are refused as different runs. Each rank is placed by the median of
-    its events' starts, which a few corrupt timestamps cannot move: on the median of the
-    others' (one run's ranks profile the same window); the rank furthest off is named."""
+    its events' starts (of MEDIAN_SAMPLE of them spread over its rows where it has more),
+    which a few corrupt timestamps cannot move: on the median of the others' (one run's
+    ranks profile the same window); the rank furthest off is named."""
     if events.empty:
         return {}
     mid = _rank_medians(events["rank"].to_numpy(), events["start_ns"].to_numpy(np.int64))

@@ -99,12 +99,10 @@ def merged_by_group(group, starts, ends) -> tuple[np.ndarray, np.ndarray, np.nda
     group, starts, ends = (np.asarray(a, np.int64) for a in (group, starts, ends))
     keep = ends > starts
     group, starts, ends = group[keep], starts[keep], ends[keep]
-    later = group[1:] > group[:-1]
-    if not (later | ((group[1:] == group[:-1]) & (starts[1:] >= starts[:-1]))).all():
-        # (a rank's kernels mostly come in order already: no sort, no three gathers)
+    if not ((group[1:] > group[:-1]) | ((group[1:] == group[:-1]) & (starts[1:] >= starts[:-1]))).all():
+        # (a rank's kernels mostly come in order already: then no sort and no three gathers)
         order = np.lexsort((starts, group))
         group, starts, ends = group[order], starts[order], ends[order]
-    del later
     reach = running_max(group, ends)  # restarts with each group
     new_run = np.ones(len(starts), bool)
     new_run[1:] = (group[1:] != group[:-1]) | (starts[1:] > reach[:-1])

@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+import pandas as pd
 import pytest
 
 import pptrace
+from pptrace.run import clocks
 from pptrace.errors import TraceError
 from pptrace.ingest.load import load_rank
 from hostile import checksums, no_traceback, one_line_error, pptrace as run_pptrace
@@ -118,3 +121,25 @@ def test_a_skewed_rank_among_four_is_the_one_aligned(tmp_path):
     assert offsets[0] == offsets[1] == offsets[3] == 0
     assert abs(offsets[2] * 1e3 + HOURS) <= report["ranks"][2]["clock_uncertainty_us"] * 1e3
     _close(report, truth, 2 * report["ranks"][2]["clock_uncertainty_us"] / 1e6)
+
+
+def test_each_ranks_median_start_is_exact_when_small_and_central_when_sampled():
+    """clocks.place reads each rank's median start from at most MEDIAN_SAMPLE rows spread over
+    them: exact for a rank with fewer, and for one with more a value near the middle of its
+    starts, whatever order the rows come in."""
+    rng = np.random.default_rng(0)
+    sizes = [1, 2, 10, clocks.MEDIAN_SAMPLE, 50_000]
+    rank = np.repeat(np.arange(len(sizes), dtype=np.int32) * 3, sizes)  # ids with gaps
+    start = rng.integers(0, 10**12, len(rank))
+    truth = pd.Series(start).groupby(rank).median().astype(np.int64)
+    got = clocks._rank_medians(rank, start)
+    assert got.index.tolist() == truth.index.tolist()
+    small = truth.index[np.array(sizes) <= clocks.MEDIAN_SAMPLE]
+    assert got[small].tolist() == truth[small].tolist()
+    big = truth.index[-1]
+    mine = np.sort(start[rank == big])
+    assert 0.45 < np.searchsorted(mine, got[big]) / len(mine) < 0.55
+    shuffled = rng.permutation(len(rank))
+    again = clocks._rank_medians(rank[shuffled], start[shuffled])
+    assert again[small].tolist() == truth[small].tolist()
+    assert 0.45 < np.searchsorted(mine, again[big]) / len(mine) < 0.55

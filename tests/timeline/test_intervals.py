@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.timeline.intervals import Axes, Intervals, flat, partition, pieces_in_windows, union
+from pptrace.timeline.intervals import Axes, Intervals, flat, partition, pieces_in_windows, union, union_by_group
 
 T0 = 1_700_000_000_000_000_000  # epoch ns, as traces have them: offsets must not lose a bit
 
@@ -131,3 +131,21 @@ def test_partition_gives_each_nanosecond_to_the_first_part_over_it(n_parts):
         assert set(got) == set(want)
         for name in want:
             assert (_mask(got[name]) == want[name]).all(), name
+
+
+@pytest.mark.parametrize("presorted", [False, True])
+def test_union_by_group_equals_each_groups_own_union(presorted):
+    """All groups in one pass, with and without the sort (merged_by_group skips it for
+    intervals already in (group, start) order): each group's set is its own union."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n = int(rng.integers(0, 40))
+        group, starts = rng.integers(0, 4, n), rng.integers(0, 100, n)
+        ends = starts + rng.integers(-3, 30, n)
+        if presorted:
+            order = np.lexsort((starts, group))
+            group, starts, ends = group[order], starts[order], ends[order]
+        sets = union_by_group(4, group, starts, ends)
+        for g in range(4):
+            want = union(starts[group == g], ends[group == g])
+            assert sets[g].starts.tolist() == want.starts.tolist() and sets[g].ends.tolist() == want.ends.tolist()
