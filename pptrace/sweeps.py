@@ -27,6 +27,19 @@ def dense_ranks(*arrays) -> tuple[list, int]:
     return np.split(inv, np.cumsum([len(a) for a in arrays])[:-1]), int(rank[-1]) + 2
 
 
+def ascending(*keys) -> bool:
+    """Whether the rows already come in the order of ``keys`` (the first the major key), so
+    that a sort by them (stable, or np.lexsort of the keys reversed) would keep them as they
+    are. Tables often arrive so (by rank, then time): a check is one pass, a sort is not."""
+    tied = np.ones(max(len(keys[0]) - 1, 0), bool)
+    for key in keys:
+        key = np.asarray(key)
+        if (tied & (key[1:] < key[:-1])).any():
+            return False
+        tied &= key[1:] == key[:-1]
+    return True
+
+
 def lane_keys(lanes: list, times: list) -> list:
     """int64 keys that sort as (lane, time) across all the arrays given (lanes >= 0: a
     thread, a rank), one key array per (lane, time) pair of arrays."""

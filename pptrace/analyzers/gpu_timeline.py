@@ -22,6 +22,7 @@ import pandas as pd
 
 from ..timeline.intervals import Intervals, from_segments, gaps_per_window, private_axes, segments, union
 from ..timeline.windows import GPU_ACTIVITY, gpu_step_windows
+from ..sweeps import ascending
 
 #: a step is flagged launch-bound when at least this share of its GPU idle time is
 #: launch-bound and idle is at least IDLE_FLAG of the step
@@ -90,7 +91,7 @@ def gpu_timeline(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     is_call = (codes == code_of["runtime"]) & (events["lane_kind"] == "host").to_numpy()
     rows = np.flatnonzero(np.isin(codes, [code_of[name] for name in GPU_ACTIVITY]) | is_call)
     is_call, ranks = is_call[rows], events["rank"].to_numpy()[rows]
-    if (ranks[1:] < ranks[:-1]).any():  # the loader's table comes rank by rank
+    if not ascending(ranks):  # the loader's table comes rank by rank
         by_rank = np.argsort(ranks, kind="stable")
         rows, ranks, is_call = rows[by_rank], ranks[by_rank], is_call[by_rank]
     code = codes[rows]

@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 
 from ..errors import TraceError
+from ..sweeps import ascending
+from .align import offsets_per_row
 
 #: Ranks of one run start their profiled window within seconds of each other; traces whose
 #: first events lie further apart than this come from different runs.
@@ -52,8 +54,8 @@ def place(events, metas, assume_same_run: bool, warnings: list) -> dict:
         return {}
     target = int(anchors.median()) if not anchors.empty else int(mid[min(free)])
     shift = {int(r): target - int(mid[r]) for r in sorted(free)}
-    rank = events["rank"].to_numpy()
-    per_row = pd.Series(shift).reindex(rank).fillna(0).to_numpy(np.int64)
+    added = pd.DataFrame({"rank": list(shift), "offset_ns": list(shift.values())})
+    per_row = offsets_per_row(events["rank"].to_numpy(), added)
     for column in ("start_ns", "end_ns"):  # a Series, not copied as an ndarray would be (align.apply_offsets)
         events[column] = pd.Series(events[column].to_numpy(np.int64) + per_row, index=events.index, copy=False)
     return shift
@@ -69,7 +71,7 @@ def _rank_medians(rank: np.ndarray, start: np.ndarray) -> pd.Series:
     where it has more. The exact median of every row (a groupby over all of them) cost 0.2 s,
     and 1-2 s of first-touched memory, of a cached 1,024-rank load, for a placement that only
     has to land within seconds."""
-    if len(rank) > 1 and (rank[1:] < rank[:-1]).any():  # the loader's tables come rank by rank
+    if not ascending(rank):  # the loader's tables come rank by rank
         order = np.argsort(rank, kind="stable")
         rank, start = rank[order], start[order]
     first = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])

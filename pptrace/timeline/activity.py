@@ -29,7 +29,7 @@ from ..ingest.schema import tags_of
 from ..ingest.nccl import group_members, is_p2p_collective
 from .projection import KERNEL_CATEGORIES, gpu_extent
 from .intervals import Intervals, union_by_group
-from ..sweeps import cover_max, dense_ranks, dominance_max, lane_keys
+from ..sweeps import ascending, cover_max, dense_ranks, dominance_max, lane_keys
 from ..vocab import COMM_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
@@ -263,10 +263,7 @@ def _by_lane_start_longest(lane, starts, ends, row) -> np.ndarray:
     are in that order already: then a stable sort by lane is the answer (checked, not assumed:
     rows appended by inference are not)."""
     order = np.argsort(lane, kind="stable")
-    ln, s, e = lane[order], starts[order], ends[order]
-    same = ln[1:] == ln[:-1]
-    if not (same & ((s[1:] < s[:-1]) | ((s[1:] == s[:-1]) & (e[1:] > e[:-1])))).any() and (
-            not len(row) or (np.diff(row) > 0).all()):
+    if ascending(lane[order], starts[order], -ends[order]) and ascending(row):
         return order
     return np.lexsort((row, -ends, starts, lane))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..sweeps import running_max
+from ..sweeps import ascending, running_max
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,7 @@ def merged_by_group(group, starts, ends) -> tuple[np.ndarray, np.ndarray, np.nda
     group, starts, ends = (np.asarray(a, np.int64) for a in (group, starts, ends))
     keep = ends > starts
     group, starts, ends = group[keep], starts[keep], ends[keep]
-    if not ((group[1:] > group[:-1]) | ((group[1:] == group[:-1]) & (starts[1:] >= starts[:-1]))).all():
-        # (a rank's kernels mostly come in order already: then no sort and no three gathers)
+    if not ascending(group, starts):  # a rank's kernels mostly do: then no sort, no three gathers
         order = np.lexsort((starts, group))
         group, starts, ends = group[order], starts[order], ends[order]
     reach = running_max(group, ends)  # restarts with each group

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pptrace.sweeps import cover_max, dense_ranks, dominance_max, inside, lane_keys, reach_before, running_max
+from pptrace.sweeps import ascending, cover_max, dense_ranks, dominance_max, inside, lane_keys, reach_before, running_max
 
 I64_MIN = np.iinfo(np.int64).min
 EPOCH = 1_790_000_000_000_000_000  # ns: the size of the times the analyses pass in
@@ -312,3 +312,18 @@ def test_inside_random_against_brute_force():
         end = start + rng.integers(0, 8, m)
         got = inside(lane, start, end, _a(*o_lane), _a(*o_start), _a(*o_end))
         assert got.tolist() == _inside_ref(lane.tolist(), start.tolist(), end.tolist(), o_lane, o_start, o_end)
+
+
+def test_ascending_is_whether_a_lexsort_keeps_the_rows_where_they_are():
+    assert ascending(np.array([], np.int64)) and ascending(np.array([7]))
+    assert ascending([0, 0, 1], [5, 9, 1]) and not ascending([0, 0, 1], [9, 5, 1])
+    assert not ascending([1, 0], [0, 9])
+    rng = np.random.default_rng(11)
+    for _ in range(500):
+        n = int(rng.integers(0, 8))
+        keys = [rng.integers(0, 3, n) for _ in range(int(rng.integers(1, 4)))]
+        if rng.random() < 0.5:  # sorted inputs too, not only the (mostly unsorted) random ones
+            keys = [k[np.lexsort(keys[::-1])] for k in keys]
+        order = np.lexsort(keys[::-1])
+        kept = all((k[order] == k).all() for k in keys)
+        assert ascending(*keys) == kept, keys
