@@ -359,7 +359,7 @@ class Analysis:
 
     @cached_property
     def stragglers(self) -> pd.DataFrame:
-        return find_stragglers(self.partitions, self._selected_pairs, self._instances)
+        return find_stragglers(self.partitions, self._selected_pairs, self._waits)
 
     @cached_property
     def _bounds(self) -> list[dict]:

@@ -12,6 +12,7 @@ from .analyzers.gpu_timeline import is_launch_bound
 from .analyzers.p2p import peer_not_loaded
 from .analyzers.partition import untagged_p2p_rows
 from .run.model import Run
+from .sweeps import isin
 from .timeline.projection import KERNEL_CATEGORIES
 from .vocab import RANGE_KINDS
 
@@ -52,7 +53,7 @@ def gpu_warnings(run: Run, acts: dict, gpu: pd.DataFrame, contract: bool) -> lis
 
 def has_contract_ranges(events: pd.DataFrame) -> bool:
     """Whether any host range has a contract-1 kind (vocab.RANGE_KINDS)."""
-    return bool((events["kind"].isin(list(RANGE_KINDS)) & (events["lane_kind"] == "host")).any())
+    return bool((isin(events["kind"], RANGE_KINDS) & (events["lane_kind"] == "host").to_numpy()).any())
 
 
 def peer_loaded(unmatched: pd.DataFrame, requested) -> pd.DataFrame:
@@ -64,7 +65,7 @@ def peer_loaded(unmatched: pd.DataFrame, requested) -> pd.DataFrame:
 def input_warnings(run: Run, partitions, pairs_unmatched) -> list[str]:
     ev = run.events
     warnings = []
-    gpu_run = ev["category"].isin(list(KERNEL_CATEGORIES)).any()
+    gpu_run = isin(ev["category"], KERNEL_CATEGORIES).any()
     if not has_contract_ranges(ev) and not gpu_run:
         warnings.append(
             "traces without pptrace ranges: dims from process-group metadata; bubble cannot be "

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from ..sweeps import isin
 from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD, FWD_OPS, INTERLEAVED, LOSS, PP_SENDS,
                      SEND_FWD, ZB_H1, canonical, has_closed_form)
 from ..schedules.replay import PipelineTimes, action_programs, simulate
@@ -49,7 +50,7 @@ def microbatch_times(run) -> pd.DataFrame:
     forward_step computes it): its time is added to that forward's ``dur_s``."""
     ev = run.events
     sel = ev.loc[((ev["category"] == "compute") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
-                  & ev["op"].isin(FWD_OPS + BWD_OPS + (LOSS,)) & (ev["step"] >= 0)).to_numpy(),
+                  & (ev["step"] >= 0)).to_numpy() & isin(ev["op"], FWD_OPS + BWD_OPS + (LOSS,)),
                  ["rank", "step", "mb", "chunk", "op", "start_ns", "end_ns", "dur_ns"]]  # what is read, not every column
     if run.steps:
         sel = sel[sel["step"].isin(list(run.steps))]
@@ -182,7 +183,7 @@ def _send_posts(run) -> pd.DataFrame:
     """Host pipeline sends with mb and peer: rank, step, start_ns, op, peer_pos, chunk, mb."""
     ev = run.events
     sel = ev.loc[(ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
-                 & ~ev["gpu_annotation"].to_numpy() & ev["op"].isin(PP_SENDS).to_numpy()
+                 & ~ev["gpu_annotation"].to_numpy() & isin(ev["op"], PP_SENDS)
                  & ev["peer"].notna().to_numpy() & ev["mb"].notna().to_numpy(),
                  ["rank", "step", "start_ns", "op", "peer", "chunk", "mb"]]
     pos = {r: run.layout.coords(r).pp for r in range(run.layout.world_size)}

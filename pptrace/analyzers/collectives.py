@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..naming import parse_name
+from ..sweeps import isin
 from ..timeline.activity import kernel_dim
 from ..vocab import COMM_CATEGORIES, COMM_DIMS, is_step_end
 
@@ -109,10 +110,10 @@ def collectives_by_dim(run, partitions, inst: pd.DataFrame | None = None,
     """One row per dimension with communication: per rank per step means (``waits`` as in
     waits_by_rank)."""
     ev = run.events
-    keep = (ev["category"].isin(COMM_CATEGORIES) & (ev["lane_kind"] == "host")
-            & ~ev["gpu_annotation"] & (ev["step"] >= 0)).to_numpy()
+    keep = isin(ev["category"], COMM_CATEGORIES) & ((ev["lane_kind"] == "host")
+                                                    & ~ev["gpu_annotation"] & (ev["step"] >= 0)).to_numpy()
     if run.steps:
-        keep = keep & ev["step"].isin(list(run.steps)).to_numpy()
+        keep = keep & isin(ev["step"], run.steps)
     calls = ev.loc[keep, ["kind", "op", "bytes"]]  # the columns read below, not a copy of every row's all
     n_rank_steps = max(len(partitions), 1)
     waits = profiled_waits(run, inst) if waits is None else waits

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..sweeps import isin
 from ..timeline.intervals import merged_by_group
 from ..timeline.projection import gpu_extent
 from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LOSS
@@ -32,7 +33,7 @@ def compute_by_pass(run, partitions) -> pd.DataFrame:
         return pd.DataFrame(columns=list(COLUMNS))
     ev = run.events
     sel = ev[(ev["category"] == "compute").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
-             & ~ev["gpu_annotation"].to_numpy() & ev["op"].isin(list(_KIND_OF)).to_numpy()
+             & ~ev["gpu_annotation"].to_numpy() & isin(ev["op"], _KIND_OF)
              & (ev["step"] >= 0).to_numpy()]
     start, end, _ = gpu_extent(ev, sel)
     index = pd.MultiIndex.from_arrays([partitions.rank, partitions.step])

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..ingest.schema import tags_of
+from ..sweeps import isin
 
 #: max over mean tokens in an ep group from which the group is called imbalanced: routing
 #: noise of a balanced router stays well under it
@@ -61,7 +62,7 @@ def _forward_experts(run) -> pd.DataFrame:
     ev = run.events
     sel = (ev["category"] == "compute").to_numpy() & (ev["op"] == "expert").to_numpy() & (ev["step"] >= 0).to_numpy()
     if run.steps:
-        sel &= ev["step"].isin(list(run.steps)).to_numpy()
+        sel &= isin(ev["step"], run.steps)
     return ev[sel]
 
 

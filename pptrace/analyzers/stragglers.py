@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .collectives import instance_waits, step_end_rows
+from ..sweeps import isin
 
 COLUMNS = ("rank", "metric", "slowdown", "cost_s", "peers_wait_s", "steps_late", "steps", "spread_s", "evidence")
 #: below these a difference is noise, not a straggler.
@@ -107,11 +107,10 @@ def _compute_rows(partitions, step_s: float) -> pd.DataFrame:
     return rows.assign(slowdown=rows["relative"])
 
 
-def _arrival_rows(inst: pd.DataFrame | None, ranks: pd.Index, steps: pd.Index, step_s: float) -> pd.DataFrame:
-    waits = instance_waits(inst)
+def _arrival_rows(waits: pd.DataFrame, ranks: pd.Index, steps: pd.Index, step_s: float) -> pd.DataFrame:
     if waits.empty or len(ranks) < 2:
         return pd.DataFrame()
-    waits = waits[((waits["n"] > 1).to_numpy() & ~step_end_rows(waits["name"])) & waits["step"].isin(steps).to_numpy()]
+    waits = waits[isin(waits["step"], steps)]
     if waits.empty:
         return pd.DataFrame()
     waits = waits.astype({"rank": np.int64, "step": np.int64})
@@ -130,15 +129,16 @@ def _caused_waits(pairs: pd.DataFrame | None, n_steps: int) -> dict:
     return {int(r): float(v) for r, v in caused.items()}
 
 
-def find_stragglers(partitions, pairs: pd.DataFrame | None, inst: pd.DataFrame | None) -> pd.DataFrame:
+def find_stragglers(partitions, pairs: pd.DataFrame | None, waits: pd.DataFrame) -> pd.DataFrame:
     """Rows {rank, metric, slowdown, cost_s, peers_wait_s, steps_late, steps, spread_s,
-    evidence}, the most costly first (the culprit); none when no rank is persistently late."""
+    evidence}, the most costly first (the culprit); none when no rank is persistently late.
+    ``waits``: the collective waits of the run (collectives.profiled_waits)."""
     if not len(partitions):
         return pd.DataFrame(columns=list(COLUMNS))
     ranks = pd.Index(np.unique(partitions.rank), dtype=np.int64)
     steps = pd.Index(np.unique(partitions.step), dtype=np.int64)
     step_s = float(np.mean(partitions.wall_ns)) / 1e9
-    found = [f for f in (_compute_rows(partitions, step_s), _arrival_rows(inst, ranks, steps, step_s)) if len(f)]
+    found = [f for f in (_compute_rows(partitions, step_s), _arrival_rows(waits, ranks, steps, step_s)) if len(f)]
     if not found:
         return pd.DataFrame(columns=list(COLUMNS))
     out = pd.concat(found, ignore_index=True)

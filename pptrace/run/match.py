@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pandas as pd
 
+from ..sweeps import isin
 from ..timeline import exchanges
 from ..ingest.nccl import group_members, is_p2p_collective
 from ..timeline.activity import row_codes, str_test
@@ -46,8 +47,8 @@ def _int(col: pd.Series, fill: int = -1) -> np.ndarray:
 def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
     """Host send/recv ranges of pp and cp with a peer, one row each, in time order."""
     # Filter on the cheap categorical columns first; string tests only on what is left.
-    pre = (events["kind"].isin(_P2P_KINDS) & events["peer"].notna() & (events["lane_kind"] == "host")
-           & ~events["gpu_annotation"]).to_numpy()
+    pre = isin(events["kind"], _P2P_KINDS) & (events["peer"].notna() & (events["lane_kind"] == "host")
+                                              & ~events["gpu_annotation"]).to_numpy()
     # the columns read here and by gpu_extent, not every column of the rows
     ev = events[[c for c in _P2P_OP_COLUMNS if c in events.columns]][pre]
     is_send = str_test(ev["op"], lambda s: s.startswith("send_"))
@@ -203,9 +204,8 @@ def match_collectives(events: pd.DataFrame, layout: Layout, ranks=None) -> tuple
     that was loaded is reported as a warning, never dropped silently.
     """
     loaded = set(int(r) for r in (ranks if ranks is not None else events["rank"].unique()))
-    host = (
-        events["kind"].isin(list(COMM_DIMS)) & (events["lane_kind"] == "host")
-        & ~events["gpu_annotation"] & (events["op"] != "wait")
+    host = isin(events["kind"], COMM_DIMS) & (
+        (events["lane_kind"] == "host") & ~events["gpu_annotation"] & (events["op"] != "wait")
     ).to_numpy()
     ev = events[host]
     ev = ev[~str_test(ev["op"], lambda s: s.startswith(("send_", "recv_")))]

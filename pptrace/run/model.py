@@ -11,6 +11,7 @@ import pandas as pd
 
 from . import align, match
 from .claims import is_index
+from ..sweeps import isin
 from ..timeline import windows
 from ..timeline.activity import activities
 from ..timeline.windows import profiled_steps
@@ -165,7 +166,7 @@ class Run:
     def gpu_ranks(self) -> frozenset:
         """Ranks whose work ran in GPU kernels: their timeline is the GPU's."""
         ev = self.events
-        kernels = ev["category"].isin(["kernel_compute", "kernel_comm"]).to_numpy()
+        kernels = isin(ev["category"], ["kernel_compute", "kernel_comm"])
         return frozenset(int(r) for r in pd.unique(ev["rank"].to_numpy()[kernels]))
 
     @cached_property

@@ -29,7 +29,7 @@ from ..ingest.schema import tags_of
 from ..ingest.nccl import group_members, is_p2p_collective
 from .projection import KERNEL_CATEGORIES, gpu_extent
 from .intervals import Intervals, union_by_group
-from ..sweeps import ascending, cover_max, dense_ranks, dominance_max, lane_keys
+from ..sweeps import ascending, cover_max, dense_ranks, dominance_max, isin, lane_keys
 from ..vocab import COMM_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
@@ -78,8 +78,13 @@ def str_test(values, fn) -> np.ndarray:
 def row_codes(*columns) -> np.ndarray:
     """One int per row, 0, 1, ... in order of first appearance, equal for rows equal in all
     columns (nulls equal each other)."""
-    frame = pd.DataFrame({i: c.array if isinstance(c, pd.Series) else c for i, c in enumerate(columns)})
-    return frame.groupby(list(frame.columns), sort=False, dropna=False).ngroup().to_numpy(np.int64)
+    # a column at a time, each pair of codes made one again (first appearance is kept):
+    # a groupby over all of them cost more than the hashing
+    code = np.zeros(len(columns[0]) if columns else 0, np.int64)
+    for column in columns:
+        c_code, uniques = pd.factorize(column.array if isinstance(column, pd.Series) else column, use_na_sentinel=False)
+        code = pd.factorize(code * (len(uniques) + 1) + c_code)[0].astype(np.int64, copy=False)
+    return code
 
 
 def _runs(n_groups: int, group: np.ndarray) -> np.ndarray:
@@ -104,16 +109,18 @@ def _host_range_table(ev: pd.DataFrame, group: np.ndarray) -> pd.DataFrame:
     sub = ev[["start_ns", "end_ns", "category", "kind", "tags", "lane", *_IDENTITY]].iloc[rows]
     kind = sub["kind"].to_numpy(object)
     category = sub["category"]
+    # kind and tags as object Series: from a bare object array pandas 3 builds pyarrow strings,
+    # slower to build here and to index and test in every use below
     return pd.DataFrame({
         "row": rows, "group": group[rows],
         "start": sub["start_ns"].to_numpy(np.int64), "end": sub["end_ns"].to_numpy(np.int64),
-        "kind": np.where(pd.isna(kind), None, kind),
+        "kind": pd.Series(np.where(pd.isna(kind), None, kind), dtype=object),
         "launch": str_test(category, lambda c: c.startswith("comm:")),
         "wait": str_test(category, lambda c: c == "wait"),
         "compute": str_test(category, lambda c: c == "compute"),
         "contract": str_test(category, lambda c: c.startswith(("comm:", "wait", "compute", "p2p"))),
         "final": _per_value(sub["tags"], is_step_end, False, bool),
-        "tags": sub["tags"].to_numpy(object), "lane": pd.factorize(sub["lane"].array)[0],
+        "tags": pd.Series(sub["tags"].to_numpy(object), dtype=object), "lane": pd.factorize(sub["lane"].array)[0],
         **{c: sub[c].array for c in _IDENTITY},
     })
 
@@ -195,8 +202,8 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     # j <= i of posted_j - j), a running minimum.
     n_q = int(queue.max()) + 1
     w_first, e_first = _runs(n_q, w_q), _runs(n_q, e_q)
-    (e_rank, w_rank), size = dense_ranks(e_start, start[work])
-    posted = np.searchsorted(e_q * size + e_rank, w_q * size + w_rank, "right") - e_first[w_q]
+    e_key, w_key = lane_keys([e_q, w_q], [e_start, start[work]])
+    posted = np.searchsorted(e_key, w_key, "right") - e_first[w_q]
     i = np.arange(len(work)) - w_first[w_q] + 1
     spread = 2 * (len(work) + len(enq)) + 2  # later queues lie below earlier ones: a running min per queue
     head = i + np.minimum(np.minimum.accumulate(posted - i - w_q * spread) + w_q * spread, 0)
@@ -232,8 +239,8 @@ def _depths(lane: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarra
     idx = np.arange(n)
     lane_start = np.searchsorted(lane, lane, "left")
     lane_end = np.searchsorted(lane, lane, "right")
-    (s_rank, e_rank), size = dense_ranks(starts, ends)
-    first_after = np.maximum(np.searchsorted(lane * size + s_rank, lane * size + e_rank, "left"), idx + 1)
+    s_key, e_key = lane_keys([lane, lane], [starts, ends])
+    first_after = np.maximum(np.searchsorted(s_key, e_key, "left"), idx + 1)
     # next_greater by binary lifting over a sparse table of maxima of the ends
     table = [ends]
     while (1 << len(table)) <= n:
@@ -392,7 +399,7 @@ def _activities(ev: pd.DataFrame, group: np.ndarray, ranks: list, layout, pg: li
     n = len(ranks)
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
     category = ev["category"]
-    is_kernel = category.isin(list(KERNEL_CATEGORIES)).to_numpy()
+    is_kernel = isin(category, KERNEL_CATEGORIES)
     gpu = np.bincount(group[is_kernel], minlength=n) > 0
     rng = _host_range_table(ev, group)
 

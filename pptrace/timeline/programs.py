@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..sweeps import reach_before, running_max
+from ..sweeps import isin, reach_before, running_max
 from ..vocab import COMM_CATEGORIES
 
 #: The main thread's work units: what it replays and what a critical path runs through; a
@@ -22,9 +22,9 @@ def main_thread_work(events: pd.DataFrame, steps=None, categories=WORK_CATEGORIE
     in ``steps`` (None: any)."""
     keep = (events["lane"] == "main").to_numpy()
     if categories is not None:
-        keep = keep & events["category"].isin(list(categories)).to_numpy()
+        keep = keep & isin(events["category"], categories)
     if steps is not None:
-        keep = keep & events["step"].isin(list(steps)).to_numpy()
+        keep = keep & isin(events["step"], steps)
     return keep
 
 

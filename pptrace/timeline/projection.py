@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..sweeps import isin
 from ..vocab import COMM_CATEGORIES
 
 #: What a timeline draws: the passes, p2p, every dimension's communication, and waits.
@@ -25,13 +26,13 @@ def drawn_ranges(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     plain GPU trace) draws its kernels (KERNEL_CATEGORIES) instead, so the page is still a
     timeline."""
     # masks first, one copy of the rows kept: a copy of the table per filter was most of the cost
-    in_steps = np.ones(len(events), bool) if steps is None else events["step"].isin(list(steps)).to_numpy()
-    mask = in_steps & events["category"].isin(DRAWN_CATEGORIES).to_numpy()
+    in_steps = np.ones(len(events), bool) if steps is None else isin(events["step"], steps)
+    mask = in_steps & isin(events["category"], DRAWN_CATEGORIES)
     if "gpu_annotation" in events.columns:
         mask &= ~events["gpu_annotation"].astype(bool).to_numpy()
     drawn = events[mask]
     if drawn.empty:
-        return events[in_steps & events["category"].isin(KERNEL_CATEGORIES).to_numpy()].copy()
+        return events[in_steps & isin(events["category"], KERNEL_CATEGORIES)].copy()
     start, end, projected = gpu_extent(events, drawn)
     return drawn.assign(start_ns=start, end_ns=end, dur_ns=np.where(projected, end - start, drawn["dur_ns"]))
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from ..sweeps import isin
 from ..vocab import PIPELINE_COMPUTE
 from .projection import KERNEL_CATEGORIES, gpu_extent
 
@@ -43,7 +44,7 @@ def host_step_windows(events: pd.DataFrame, steps=None) -> dict:
         rank = marks["rank"].to_numpy()
         marks = marks[on_main | ~np.isin(rank, np.unique(rank[on_main]))]
     if steps is not None:
-        marks = marks[marks["step"].isin(list(steps)).to_numpy()]
+        marks = marks[isin(marks["step"], steps)]
     keys = zip(marks["rank"].to_numpy(np.int64).tolist(), marks["step"].to_numpy(np.int64).tolist())
     spans = map(Window, marks["start_ns"].to_numpy(np.int64).tolist(), marks["end_ns"].to_numpy(np.int64).tolist())
     return dict(zip(keys, spans))
@@ -53,7 +54,7 @@ def gpu_step_windows(events: pd.DataFrame, steps=None) -> dict:
     """(rank, step) -> Window of each step's GPU work, for ranks that have GPU work."""
     # the four columns only: a whole-row copy of most of a GPU trace's table cost more
     # than the grouping
-    work = events.loc[events["category"].isin(list(GPU_ACTIVITY)).to_numpy() & (events["step"] >= 0).to_numpy(),
+    work = events.loc[isin(events["category"], GPU_ACTIVITY) & (events["step"] >= 0).to_numpy(),
                       ["rank", "step", "start_ns", "end_ns"]]
     if work.empty:
         return {}
@@ -88,7 +89,7 @@ def pipeline_windows(events: pd.DataFrame, pp: int) -> dict:
             & (events["step"] >= 0).to_numpy())
     cat = events["category"]
     pipe = ((cat == "p2p").to_numpy()
-            | ((cat == "compute").to_numpy() & events["op"].isin(PIPELINE_COMPUTE).to_numpy()))
+            | ((cat == "compute").to_numpy() & isin(events["op"], PIPELINE_COMPUTE)))
     ops = events[host & pipe]
     if ops.empty:
         return {}

@@ -15,6 +15,7 @@ from pptrace.vocab import PARTS
 from pptrace.timeline.intervals import Intervals, partition, private_axes, union
 from pptrace.analyzers.p2p import link_table, match_pairs
 from pptrace.analyzers.bubble import balanced_theory_bubble, pipeline_stages, theory_step
+from pptrace.analyzers.collectives import profiled_waits
 from pptrace.analyzers.stragglers import find_stragglers
 from pptrace.topology import Layout
 from tracegen import US, run_from_docs, trace_doc
@@ -196,7 +197,7 @@ def test_dp_straggler_named_first(tmp_path):
     traces = {r: trace_doc(r, 3, _dp_rank(c), layout=layout) for r, c in ((0, 100), (1, 120), (2, 100))}
     run = run_from_docs(tmp_path, traces, layout)
     parts = partition_run(run)
-    found = find_stragglers(parts, None, run.collectives)
+    found = find_stragglers(parts, None, profiled_waits(run, run.collectives))
     top = found.iloc[0]
     assert int(top["rank"]) == 1
     assert set(found["rank"]) == {1}

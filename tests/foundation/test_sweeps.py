@@ -7,9 +7,11 @@ ranks, not the raw nanoseconds, carry the order.
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
-from pptrace.sweeps import ascending, cover_max, dense_ranks, dominance_max, inside, lane_keys, reach_before, running_max
+from pptrace.sweeps import (ascending, cover_max, dense_ranks, dominance_max, inside, isin, lane_keys, reach_before,
+                            running_max)
 
 I64_MIN = np.iinfo(np.int64).min
 EPOCH = 1_790_000_000_000_000_000  # ns: the size of the times the analyses pass in
@@ -327,3 +329,27 @@ def test_ascending_is_whether_a_lexsort_keeps_the_rows_where_they_are():
         order = np.lexsort(keys[::-1])
         kept = all((k[order] == k).all() for k in keys)
         assert ascending(*keys) == kept, keys
+
+
+def test_isin_answers_as_pandas_isin_on_every_kind_of_column():
+    """Categorical (nulls, unused categories, values not among them), plain ints (consecutive
+    values, scattered ones, none), nullable ints and strings: each against Series.isin."""
+    rng = np.random.default_rng(5)
+    words = np.array(["compute", "comm:tp", "p2p", "wait", None], dtype=object)
+    for _ in range(200):
+        n = int(rng.integers(0, 30))
+        picked = words[rng.integers(0, len(words), n)]
+        columns = [
+            pd.Series(pd.Categorical(picked, categories=["compute", "comm:tp", "p2p", "wait", "unused"])),
+            pd.Series(picked, dtype=object),
+            pd.Series(rng.integers(-1, 6, n).astype(np.int32)),
+            pd.Series(pd.array(np.where(rng.random(n) < 0.3, None, rng.integers(0, 4, n)), dtype="Int32")),
+        ]
+        for column in columns:
+            if column.dtype.kind in "iu" or isinstance(column.dtype, pd.Int32Dtype):
+                options = [[], [2], [1, 2, 3], [0, 3, 5], range(-1, 2)]
+            else:
+                options = [[], ["p2p"], ["compute", "wait", "absent"], [None], ["p2p", None]]
+            values = options[int(rng.integers(0, len(options)))]
+            want = column.isin(list(values)).to_numpy(bool)
+            assert isin(column, values).tolist() == want.tolist(), (column.tolist(), values)
