@@ -49,8 +49,9 @@ def microbatch_times(run) -> pd.DataFrame:
     A last stage's loss (``compute:loss``) is part of its microbatch's forward (as Megatron's
     forward_step computes it): its time is added to that forward's ``dur_s``."""
     ev = run.events
-    sel = ev.loc[((ev["category"] == "compute") & (ev["lane_kind"] == "host") & ~ev["gpu_annotation"]
-                  & (ev["step"] >= 0)).to_numpy() & isin(ev["op"], FWD_OPS + BWD_OPS + (LOSS,)),
+    sel = ev.loc[(ev["category"] == "compute").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
+                 & ~ev["gpu_annotation"].to_numpy() & (ev["step"] >= 0).to_numpy()
+                 & isin(ev["op"], FWD_OPS + BWD_OPS + (LOSS,)),
                  ["rank", "step", "mb", "chunk", "op", "start_ns", "end_ns", "dur_ns"]]  # what is read, not every column
     if run.steps:
         sel = sel[sel["step"].isin(list(run.steps))]
@@ -299,14 +300,16 @@ def missing_stages(run) -> list[int]:
     return sorted(set(range(run.layout.pp)) - {run.layout.coords(r).pp for r in run.ranks if r < world})
 
 
-def pipeline_stages(run, partitions, latency: dict | None = None) -> tuple[pd.DataFrame, dict]:
+def pipeline_stages(run, partitions, latency: dict | None = None,
+                    times: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
     """(one row per physical stage with a loaded rank, run-level summary dict). ``latency``:
-    bubble_split's output; without it the bubble is not split. A stage whose ranks have p2p
+    bubble_split's output; without it the bubble is not split. ``times``: microbatch_times(run)
+    where the caller has it already. A stage whose ranks have p2p
     with a peer not loaded has its bubble unknown (None: the split of that p2p time needs the
     peer, analyzers/partition.py), and with a stage not loaded the theory is unknown (it
     needs every stage's pass times): neither is a number made up from the stages present."""
     latency = latency or {}
-    times = microbatch_times(run)
+    times = microbatch_times(run) if times is None else times
     p = run.layout.pp
     m = int(run.microbatches or (times["mb"].nunique() if not times.empty else 0))
     v = run.v

@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..sweeps import isin
 from ..timeline.intervals import merged_by_group
-from ..timeline.projection import gpu_extent
+from ..timeline.projection import EXTENT_COLUMNS, gpu_extent
 from ..vocab import BWD, BWD_INPUT, BWD_WEIGHT, FWD, LOSS
 
 #: the pass types, in the order of the columns
@@ -32,9 +32,9 @@ def compute_by_pass(run, partitions) -> pd.DataFrame:
     if not n:
         return pd.DataFrame(columns=list(COLUMNS))
     ev = run.events
-    sel = ev[(ev["category"] == "compute").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
-             & ~ev["gpu_annotation"].to_numpy() & isin(ev["op"], _KIND_OF)
-             & (ev["step"] >= 0).to_numpy()]
+    sel = ev.loc[(ev["category"] == "compute").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
+                 & ~ev["gpu_annotation"].to_numpy() & isin(ev["op"], _KIND_OF) & (ev["step"] >= 0).to_numpy(),
+                 ["step", "op", *(c for c in EXTENT_COLUMNS if c in ev.columns)]]  # not every column's rows
     start, end, _ = gpu_extent(ev, sel)
     index = pd.MultiIndex.from_arrays([partitions.rank, partitions.step])
     at = index.get_indexer(pd.MultiIndex.from_arrays([sel["rank"].to_numpy(np.int64), sel["step"].to_numpy(np.int64)]))

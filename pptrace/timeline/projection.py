@@ -37,8 +37,13 @@ def drawn_ranges(events: pd.DataFrame, steps=None) -> pd.DataFrame:
     return drawn.assign(start_ns=start, end_ns=end, dur_ns=np.where(projected, end - start, drawn["dur_ns"]))
 
 
+#: The columns :func:`gpu_extent` reads of its rows: a caller selecting rows for it needs no others.
+EXTENT_COLUMNS = ("rank", "start_ns", "end_ns", "external_id", "correlation")
+
+
 def gpu_extent(events: pd.DataFrame, rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(start_ns, end_ns, projected) for ``rows`` (host ranges, a subset of ``events``):
+    """(start_ns, end_ns, projected) for ``rows`` (host ranges, a subset of ``events``,
+    with at least EXTENT_COLUMNS):
     the union span of their gpu_user_annotation projections where they have one (same rank
     and External id), else of the NCCL kernel with their correlation (same rank), else
     their own times."""

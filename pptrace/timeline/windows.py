@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..sweeps import isin
 from ..vocab import PIPELINE_COMPUTE
-from .projection import KERNEL_CATEGORIES, gpu_extent
+from .projection import EXTENT_COLUMNS, KERNEL_CATEGORIES, gpu_extent
 
 #: what a rank's GPU step is made of
 GPU_ACTIVITY = (*KERNEL_CATEGORIES, "memcpy")
@@ -90,7 +90,7 @@ def pipeline_windows(events: pd.DataFrame, pp: int) -> dict:
     cat = events["category"]
     pipe = ((cat == "p2p").to_numpy()
             | ((cat == "compute").to_numpy() & isin(events["op"], PIPELINE_COMPUTE)))
-    ops = events[host & pipe]
+    ops = events.loc[host & pipe, ["step", *(c for c in EXTENT_COLUMNS if c in events.columns)]]
     if ops.empty:
         return {}
     start, end, _ = gpu_extent(events, ops)  # GPU traces: where the work ran, not its launch

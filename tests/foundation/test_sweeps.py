@@ -353,3 +353,6 @@ def test_isin_answers_as_pandas_isin_on_every_kind_of_column():
             values = options[int(rng.integers(0, len(options)))]
             want = column.isin(list(values)).to_numpy(bool)
             assert isin(column, values).tolist() == want.tolist(), (column.tolist(), values)
+    many = pd.Series(pd.Categorical([f"k{i % 23}" if i % 7 else None for i in range(200)]))
+    for values in ([f"k{i}" for i in range(0, 23, 2)], [f"k{i}" for i in range(9)] + [None], ["k3"]):
+        assert isin(many, values).tolist() == many.isin(values).to_numpy(bool).tolist()
