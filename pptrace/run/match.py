@@ -14,7 +14,7 @@ import pandas as pd
 from ..sweeps import isin
 from ..timeline import exchanges
 from ..ingest.nccl import group_members, is_p2p_collective
-from ..timeline.activity import row_codes, str_test
+from ..timeline.activity import per_value, row_codes, str_test
 from ..timeline.projection import gpu_extent
 from ..topology import Layout
 from ..vocab import COMM_DIMS, KIND_GROUP_DIMS, SIZE_TAGS, is_step_end
@@ -47,14 +47,13 @@ def _int(col: pd.Series, fill: int = -1) -> np.ndarray:
 def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
     """Host send/recv ranges of pp and cp with a peer, one row each, in time order."""
     # Filter on the cheap categorical columns first; string tests only on what is left.
-    pre = isin(events["kind"], _P2P_KINDS) & (events["peer"].notna() & (events["lane_kind"] == "host")
-                                              & ~events["gpu_annotation"]).to_numpy()
+    pre = (isin(events["kind"], _P2P_KINDS) & events["peer"].notna().to_numpy()
+           & (events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy())
     # the columns read here and by gpu_extent, not every column of the rows
     ev = events[[c for c in _P2P_OP_COLUMNS if c in events.columns]][pre]
     is_send = str_test(ev["op"], lambda s: s.startswith("send_"))
     keep = is_send | str_test(ev["op"], lambda s: s.startswith("recv_"))
     ev, send = ev[keep], is_send[keep]
-    op = ev["op"].astype(object)
     rank, peer = ev["rank"].to_numpy(np.int64), _int(ev["peer"])
     start, end, _ = gpu_extent(events, ev)
     out = pd.DataFrame({
@@ -62,7 +61,7 @@ def p2p_ops(events: pd.DataFrame) -> pd.DataFrame:
         "rank": rank,
         "is_send": send,
         "kind": ev["kind"].astype(str).to_numpy(),
-        "direction": op.str.slice(5).to_numpy(),  # send_fwd -> fwd, recv_kv -> kv
+        "direction": per_value(ev["op"], lambda s: s[5:], None),  # send_fwd -> fwd, recv_kv -> kv
         "src": np.where(send, rank, peer),
         "dst": np.where(send, peer, rank),
         "mb": _int(ev["mb"]), "chunk": _int(ev["chunk"]), "ring_step": _int(ev["ring_step"]),

@@ -49,7 +49,7 @@ class Activity:
 
 # -- array tools ------------------------------------------------------------------------------
 
-def _per_value(values, fn, missing, dtype=object) -> np.ndarray:
+def per_value(values, fn, missing, dtype=object) -> np.ndarray:
     """fn(value) of each row, evaluated once per distinct value (per category of a
     categorical); ``missing`` for nulls."""
     values = values if isinstance(values, pd.Series) else pd.Series(values)
@@ -72,7 +72,7 @@ def _per_value(values, fn, missing, dtype=object) -> np.ndarray:
 def str_test(values, fn) -> np.ndarray:
     """fn(str(value)) of each row, once per distinct value; False for nulls (as the .str
     methods of pandas answer for them)."""
-    return _per_value(values, lambda v: bool(fn(str(v))), False, bool)
+    return per_value(values, lambda v: bool(fn(str(v))), False, bool)
 
 
 def row_codes(*columns) -> np.ndarray:
@@ -119,7 +119,7 @@ def _host_range_table(ev: pd.DataFrame, group: np.ndarray) -> pd.DataFrame:
         "wait": str_test(category, lambda c: c == "wait"),
         "compute": str_test(category, lambda c: c == "compute"),
         "contract": str_test(category, lambda c: c.startswith(("comm:", "wait", "compute", "p2p"))),
-        "final": _per_value(sub["tags"], is_step_end, False, bool),
+        "final": per_value(sub["tags"], is_step_end, False, bool),
         "tags": pd.Series(sub["tags"].to_numpy(object), dtype=object), "lane": pd.factorize(sub["lane"].array)[0],
         **{c: sub[c].array for c in _IDENTITY},
     })
@@ -140,7 +140,7 @@ def _async_spans(rng: pd.DataFrame) -> tuple:
         return ()
     both = pd.concat([launch, waits], ignore_index=True)
     rest_id: dict = {(): 0}  # equal identity tags, one code
-    rest_code = _per_value(both["tags"], lambda t: rest_id.setdefault(_identity_rest(t), len(rest_id)), 0, np.int64)
+    rest_code = per_value(both["tags"], lambda t: rest_id.setdefault(_identity_rest(t), len(rest_id)), 0, np.int64)
     key = row_codes(both["group"].to_numpy(), both["kind"].to_numpy(object), *(both[c] for c in _IDENTITY), rest_code)
     l_key, w_key = key[:len(launch)], key[len(launch):]
     order = np.lexsort((launch["start"].to_numpy(), l_key))
@@ -187,7 +187,7 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
         name, lambda s: s.startswith("c10d::") and not re.search("send|recv|barrier", s)))
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
     families = {None: 0}  # null names: a family of their own, 0
-    family = _per_value(name.iloc[np.r_[work, enq]], lambda v: families.setdefault(_family(str(v)), len(families)),
+    family = per_value(name.iloc[np.r_[work, enq]], lambda v: families.setdefault(_family(str(v)), len(families)),
                         0, np.int64)
     # one FIFO queue per rank and family, numbered 0, 1, ...: their order does not matter
     (queue,), _ = dense_ranks(np.r_[group[work], group[enq]] * len(families) + family)
@@ -350,7 +350,7 @@ def _is_p2p_kernel(names: pd.Series, collectives: pd.Series) -> np.ndarray:
     """Point-to-point NCCL kernels: by their linked collective (send/recv) when known; a
     SendRecv kernel of an all_to_all is a collective. Unlinked kernels: by name."""
     known = collectives.notna().to_numpy()
-    by_coll = _per_value(collectives, is_p2p_collective, False, bool)
+    by_coll = per_value(collectives, is_p2p_collective, False, bool)
     by_name = str_test(names, lambda s: re.search("SendRecv|Send_|Recv_", s) is not None)
     return np.where(known, by_coll, by_name)
 

@@ -98,6 +98,42 @@ def test_analyze_prints_tables_and_json(gpipe_run):
     assert doc["run"]["steps"] == [1] and [r["rank"] for r in doc["ranks"]] == [0]
 
 
+def _main(tmp_path, *args, before: str = "") -> "subprocess.CompletedProcess":
+    """``pptrace ARGS`` through cli.main in a fresh interpreter, ``before`` run first, with an
+    exit handler that leaves a file behind (the quick exit must still run them)."""
+    import subprocess
+    import sys
+
+    code = (f"import atexit, pathlib, sys\n{before}\n"
+            f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'atexit-ran')!r}).write_text('ran'))\n"
+            f"sys.argv = ['pptrace', *{[str(a) for a in args]!r}]\n"
+            "from pptrace.cli import main\nmain()\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+
+
+def test_the_command_exits_quickly_with_its_status_its_output_and_its_exit_handlers(gpipe_run, tmp_path):
+    """cli.main skips the interpreter's teardown: the whole --json document still reaches the
+    pipe, a refused input still exits 1 with its one line, the exit handlers still run; and
+    while another thread runs, the process waits for it as a plain exit does."""
+    import json
+
+    done = _main(tmp_path, "analyze", gpipe_run, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["schema"] == "pptrace.analysis/1"
+    assert (tmp_path / "atexit-ran").read_text() == "ran"
+    (tmp_path / "atexit-ran").unlink()
+    refused = _main(tmp_path, "analyze", tmp_path / "nowhere", "--json")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.startswith("Error: ") and len(refused.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "atexit-ran").exists()
+    late = tmp_path / "thread-finished"
+    busy = _main(tmp_path, "--version", before=(
+        "import threading, time, pathlib\n"
+        f"threading.Thread(target=lambda: (time.sleep(0.5), pathlib.Path({str(late)!r}).write_text('x'))).start()"))
+    assert busy.returncode == 0 and busy.stdout.startswith("pptrace, version")
+    assert late.exists(), "the quick exit cut a running thread short"
+
+
 def test_analyze_rejects_a_bad_list(gpipe_run):
     result = invoke("analyze", gpipe_run, "--ranks", "zero")
     assert result.exit_code == 2 and "is not a list like" in result.output
