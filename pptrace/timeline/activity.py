@@ -428,9 +428,13 @@ def _activities(ev: pd.DataFrame, group: np.ndarray, ranks: list, layout, pg: li
     keep = code >= 0
     comm = union_by_group(n * len(COMM_DIMS) * 2, (g[keep] * len(COMM_DIMS) + code[keep]) * 2 + final[keep], s[keep], e[keep])
 
-    kernels = np.flatnonzero((category == "kernel_compute").to_numpy())
+    kernels = (category == "kernel_compute").to_numpy()
     c_group, c_start, c_end = _innermost_compute(rng[~gpu[rng["group"].to_numpy()]])
-    compute = union_by_group(n, np.r_[group[kernels], c_group], np.r_[start[kernels], c_start], np.r_[end[kernels], c_end])
+    # the kernels alone where no rank computes on its host (a GPU run): no concatenated copies
+    compute = union_by_group(n, *((group[kernels], start[kernels], end[kernels]) if not len(c_group) else
+                                  (np.r_[group[kernels], c_group], np.r_[start[kernels], c_start],
+                                   np.r_[end[kernels], c_end])))
+    del kernels
     p2p_sets = union_by_group(n, group[nccl[p2p]], start[nccl[p2p]], end[nccl[p2p]])
     memcpy = np.flatnonzero((category == "memcpy").to_numpy() & gpu[group])
     memcpy_sets = union_by_group(n, group[memcpy], start[memcpy], end[memcpy])
@@ -454,7 +458,8 @@ def activities(events: pd.DataFrame, ranks, layout, groups_by_rank: dict | None 
     ``groups_by_rank``: rank -> its process groups (rank_activity's ``groups``)."""
     rank_of_row = events["rank"].to_numpy()
     ranks = [int(r) for r in (np.sort(pd.unique(rank_of_row)) if ranks is None else ranks)]
-    group = pd.Index(ranks).get_indexer(rank_of_row).astype(np.int64)
+    # int32: a row each, held through the whole pass (an int64 was 60 MB at 7.5 M rows)
+    group = pd.Index(ranks).get_indexer(rank_of_row).astype(np.int32)
     if (group < 0).any():
         events, group = events[group >= 0], group[group >= 0]
     groups_by_rank = groups_by_rank or {}

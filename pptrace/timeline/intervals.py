@@ -98,7 +98,9 @@ def merged_by_group(group, starts, ends) -> tuple[np.ndarray, np.ndarray, np.nda
     ends) of the merged intervals, sorted by group, then time."""
     group, starts, ends = (np.asarray(a, np.int64) for a in (group, starts, ends))
     keep = ends > starts
-    group, starts, ends = group[keep], starts[keep], ends[keep]
+    if not keep.all():  # kernels mostly have a length: then no three copies
+        group, starts, ends = group[keep], starts[keep], ends[keep]
+    del keep
     if not ascending(group, starts):  # a rank's kernels mostly do: then no sort, no three gathers
         order = np.lexsort((starts, group))
         group, starts, ends = group[order], starts[order], ends[order]

@@ -120,6 +120,10 @@ def test_running_max_by_hand():
     assert running_max(_a(0, 0, 0, 1, 1), _a(5, 3, 9, 2, 4)).tolist() == [5, 5, 9, 2, 4]
     assert running_max(_a(7), _a(-3)).tolist() == [-3]
     assert running_max(np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []
+    # grouped but not ascending, and a span no key holds: the groupby's answers
+    assert running_max(_a(3, 3, 1, 1), _a(1, 5, 2, 0)).tolist() == [1, 5, 2, 2]
+    big = _a(-(2**62), 2**62, 0, -5)
+    assert running_max(_a(0, 0, 1, 1), big).tolist() == [-(2**62), 2**62, 0, 0]
 
 
 def test_reach_before_by_hand():
