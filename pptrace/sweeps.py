@@ -205,7 +205,7 @@ def cover_max(p_group, p_lo, p_hi, p_w, q_group, q_t) -> np.ndarray:
     for k in range(int(level[-1]), -1, -1):
         if k < int(level[-1]):  # the level above hands each block's maximum to its two halves
             half = 1 << k
-            # in place (numpy buffers the overlap): a fresh row per level was 10x the time
+            # in place (numpy buffers the overlap), not a fresh row per level
             np.maximum(row[half:], row[:-half], out=row[half:])
         a, b = cuts[k], cuts[k + 1]
         np.maximum.at(row, at[a:b], w[a:b])

@@ -35,6 +35,7 @@ import pandas as pd
 
 from ..analyzers.gpu_timeline import gpu_timeline
 from ..errors import TraceError
+from ..sweeps import isin
 from ..timeline.projection import KERNEL_CATEGORIES
 
 INSTALL_HINT = "HTA is not installed: pip install 'pptrace[hta]' (the traceinsight package) to use --hta"
@@ -115,7 +116,7 @@ def compare(run) -> tuple[pd.DataFrame, list[str]]:
     """Per-rank pptrace vs HTA table (COLUMNS) for a loaded ``pptrace.run.Run``, and notes."""
     notes = []
     events = run.events
-    if not events["category"].isin(list(KERNEL_CATEGORIES)).any():
+    if not isin(events["category"], KERNEL_CATEGORIES).any():
         raise TraceError(f"{run.path}: no GPU kernels in these traces; HTA analyses GPU traces only")
     steps = sorted(int(s) for s in run.steps)
     if len(steps) < 2:

@@ -17,6 +17,7 @@ from ..ingest import comm_kernels as comm_kernels_mod, memory
 from .claims import is_count, shape
 from ..errors import TraceError
 from ..progress import ALIGN, ASSEMBLE, HEADERS, phase
+from ..sweeps import isin
 from ..ingest.document import TRUNCATED
 from ..ingest.header import rank_of, read_header
 from ..ingest.files import find_trace_files, group_by_reason
@@ -323,7 +324,7 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     if steps is not None or differ:
         # only the steps results cover: a step some rank lacks would leave its peers' sends
         # and collectives unmatched
-        events = events[events["step"].isin(run_steps).to_numpy()]
+        events = events[isin(events["step"], run_steps)]
     events = events.reset_index(drop=True)
     events, found_kernels = comm_kernels_mod.mark(events, kernel_rules)
     # a layout the user gave, or a pptrace block's with a pipeline, stands; otherwise a plain

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import infer
+from ..sweeps import isin
 from ..topology import Layout
 from ..vocab import DIRECTION_OF, GPIPE, INTERLEAVED, ONE_F_ONE_B, SCHEDULES, canonical
 
@@ -53,7 +54,7 @@ def _p2p_contradiction(events, layout) -> str | None:
     ev = events
     sel = ((ev["category"] == "p2p").to_numpy() & (ev["lane_kind"] == "host").to_numpy()
            & ~ev["gpu_annotation"].to_numpy() & ~ev["inferred"].to_numpy()
-           & ev["op"].isin(list(DIRECTION_OF)).to_numpy() & ev["peer"].notna().to_numpy())
+           & isin(ev["op"], DIRECTION_OF) & ev["peer"].notna().to_numpy())
     if not sel.any():
         return None
     # selected, then widened: the whole column as int64 first cost 0.3 s at 8 M rows

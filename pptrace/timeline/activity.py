@@ -188,7 +188,7 @@ def _worker_spans(ev: pd.DataFrame, group: np.ndarray, host: np.ndarray, rng: pd
     start, end = ev["start_ns"].to_numpy(np.int64), ev["end_ns"].to_numpy(np.int64)
     families = {None: 0}  # null names: a family of their own, 0
     family = per_value(name.iloc[np.r_[work, enq]], lambda v: families.setdefault(_family(str(v)), len(families)),
-                        0, np.int64)
+                       0, np.int64)
     # one FIFO queue per rank and family, numbered 0, 1, ...: their order does not matter
     (queue,), _ = dense_ranks(np.r_[group[work], group[enq]] * len(families) + family)
     w_q, e_q = queue[:len(work)], queue[len(work):]

@@ -66,7 +66,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ...sweeps import inside
+from ...sweeps import inside, isin
 from ...topology import Layout
 from .collectives import collective_rows
 from .consistency import check_structure
@@ -84,7 +84,7 @@ from .write import write_inference
 def is_plain(events: pd.DataFrame) -> bool:
     """No contract pass or p2p range on the host: nothing told pptrace what the work is."""
     host = (events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy()
-    contract = events["category"].isin(["compute", "p2p"]).to_numpy() & ~events["inferred"].to_numpy()
+    contract = isin(events["category"], ["compute", "p2p"]) & ~events["inferred"].to_numpy()
     return not (host & contract).any()
 
 
@@ -104,7 +104,7 @@ def infer_run(events: pd.DataFrame, metas: dict, layout: Layout | None = None, c
     # host traces only: on GPU traces the work runs in kernels (the NCCL p2p: nccl.py)
     gpu = (events["lane_kind"] == "gpu").to_numpy()
     if gpu.any():
-        main &= ~events["rank"].isin(events.loc[gpu, "rank"].unique()).to_numpy()
+        main &= ~isin(events["rank"], events.loc[gpu, "rank"].unique())
     known = main & (kind != "")
     if not (known & np.isin(kind, ["wire", "pass", "gpipe", "overlap"])).any():
         return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ...sweeps import isin
 from ...timeline.activity import dim_of_desc
 from ...topology import Layout
 from ...vocab import COMM_DIMS, STEP_END_TAGS, collective_key
@@ -46,7 +47,7 @@ def collective_rows(events: pd.DataFrame, metas: dict, layout: Layout, host_rank
     is_coll = np.array([isinstance(n, str) and n.startswith(_GLOO) and n not in _P2P for n in names] + [False])
     codes = events["name"].cat.codes.to_numpy()
     sel = (is_coll[codes] & (events["lane"] != "main").to_numpy() & (events["lane_kind"] == "host").to_numpy()
-           & (events["step"].to_numpy() >= 0) & events["rank"].isin(list(host_ranks)).to_numpy())
+           & (events["step"].to_numpy() >= 0) & isin(events["rank"], host_ranks))
     if not sel.any():
         return None
     work = events.loc[sel, ["rank", "lane", "pid", "tid", "step", "start_ns", "end_ns", "name"]].reset_index(drop=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ...sweeps import isin
 from ...vocab import BWD, DIRECTION_OF, FWD, PASS_OPS
 from .pipeline import find_pipeline, fit_layout
 from .result import Inference
@@ -22,7 +23,7 @@ def passes_of(events: pd.DataFrame) -> pd.DataFrame:
     rows): rank, step, start_ns, op, mb and chunk (-1 where untagged)."""
     columns = ["rank", "step", "start_ns", "op", "mb", "chunk"]  # what is read, not every column
     sel = events[columns][(events["category"] == "compute").to_numpy() & (events["lane_kind"] == "host").to_numpy()
-                 & ~events["gpu_annotation"].to_numpy() & events["op"].isin(list(PASS_OPS)).to_numpy()
+                 & ~events["gpu_annotation"].to_numpy() & isin(events["op"], PASS_OPS)
                  & (events["step"].to_numpy() >= 0)]
     return pd.DataFrame({
         "rank": sel["rank"].to_numpy(np.int64), "step": sel["step"].to_numpy(np.int64),
@@ -61,7 +62,7 @@ def p2p_chain(events: pd.DataFrame, metas: dict, world: int):
     left out: their direction came from a layout already."""
     sel = events[(events["category"] == "p2p").to_numpy() & (events["lane_kind"] == "host").to_numpy()
                  & ~events["gpu_annotation"].to_numpy() & ~events["inferred"].to_numpy()
-                 & events["op"].isin(list(DIRECTION_OF)).to_numpy() & events["peer"].notna().to_numpy()
+                 & isin(events["op"], DIRECTION_OF) & events["peer"].notna().to_numpy()
                  & (events["step"].to_numpy() >= 0)]
     op = sel["op"].astype(str)
     ops = pd.DataFrame({
