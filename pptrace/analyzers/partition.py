@@ -119,10 +119,17 @@ class Partitions:
                 for i in range(len(self))]
 
 
+#: The ranks are swept a group at a time, each group's sets holding about this many intervals:
+#: the sweep's temporaries (~100 bytes an interval) stay bounded whatever the run's size. On
+#: a 32-rank MoE-sized GPU run (2.5 M kernels) one sweep of every rank took 243 MB.
+SWEEP_INTERVALS = 1_000_000
+
+
 def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | None = None) -> Partitions:
     """Every (rank, profiled step) partition of the run: each rank's whole-run interval sets
-    cut to its steps and swept in priority order, every (rank, step) at once on its own
-    axis (GPU ranks on their GPU timeline: timeline/windows.py says why)."""
+    cut to its steps and swept in priority order, every (rank, step) on its own axis, the
+    ranks a group at a time (SWEEP_INTERVALS; GPU ranks on their GPU timeline:
+    timeline/windows.py says why)."""
     acts = acts if acts is not None else run.activities
     if matched is None:
         matched = match_pairs(run)
@@ -138,36 +145,67 @@ def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | No
     has_pipe = np.array([int(s) in windows for s in step], bool)
     n = len(keys)
     axes = Axes.over(n, int(start.min()) if n else 0, int(end.max()) if n else 0)
-    row = np.arange(n, dtype=np.int64)
-
-    def cut(sets: dict) -> Intervals:
-        """Each rank's whole-run set cut to its steps, placed on their axes."""
-        sets = {r: iv for r, iv in sets.items() if len(iv)}
-        if not sets or not n:
-            return Intervals.empty()
-        win, lo, hi = pieces_in_windows(*flat(sets), rank, start, end)
-        return axes.place(win, lo, hi)
-
-    compute = cut({r: a.compute for r, a in acts.items()})
-    comm = {dim: cut({r: a.comm[dim] for r, a in acts.items()}) for dim in COMM_DIMS}
-    final = {dim: cut({r: a.step_final[dim] for r, a in acts.items()}) for dim in COMM_DIMS}
-    wait = cut({r: w for r, (w, _) in split.items()})
-    transfer = cut({r: t for r, (_, t) in split.items()})
-    # pipeline p2p that cannot pair (no peer tag; NCCL kernels of GPU ranks) counts as moving
-    transfer = transfer | (cut(untagged_p2p(run)) - wait) | (cut({r: a.p2p for r, a in acts.items() if a.gpu}) - wait)
-    pipe_iv = axes.place(row[has_pipe], np.maximum(pipe[has_pipe, 0], start[has_pipe]),
-                         np.minimum(pipe[has_pipe, 1], end[has_pipe]))
-    order = [("compute", compute)]
-    for dim in COMM_DIMS:
-        # The step-final collective blocks while other stages still run the pipeline: that is
-        # bubble (contract 3); after the pipeline window it is this dimension's again.
-        order.append((f"{dim}_exposed", comm[dim] | (final[dim] - pipe_iv)))
-    order += [("pp_transfer", transfer), ("pp_bubble", wait | pipe_iv)]
-    parts = partition(axes.place(row, start, end), order, rest="other")
-    hidden = {dim: axes.totals((comm[dim] | final[dim]) & compute) for dim in COMM_DIMS}
+    untagged = untagged_p2p(run)
     unsplit = unsplit_by_rank(matched.unmatched, absent)
-    unsplit_ns = axes.totals(cut(unsplit) & parts["pp_bubble"]) if unsplit else np.zeros(n, np.int64)
-    return Partitions(rank, step, start, end, axes, parts, hidden, unsplit_ns)
+
+    def sweep(a: int, b: int) -> tuple[dict, dict, np.ndarray]:
+        """The parts, hidden and unsplit ns of rows [a, b) (whole ranks), placed on ``axes``."""
+        mine = set(rank[a:b].tolist())
+        row = np.arange(a, b, dtype=np.int64)
+
+        def cut(sets: dict) -> Intervals:
+            """Each of these ranks' whole-run set cut to its steps, placed on their axes."""
+            sets = {r: iv for r, iv in sets.items() if r in mine and len(iv)}
+            if not sets or a == b:
+                return Intervals.empty()
+            win, lo, hi = pieces_in_windows(*flat(sets), rank[a:b], start[a:b], end[a:b])
+            return axes.place(win + a, lo, hi)
+
+        mine_acts = {r: act for r, act in acts.items() if r in mine}
+        compute = cut({r: act.compute for r, act in mine_acts.items()})
+        comm = {dim: cut({r: act.comm[dim] for r, act in mine_acts.items()}) for dim in COMM_DIMS}
+        final = {dim: cut({r: act.step_final[dim] for r, act in mine_acts.items()}) for dim in COMM_DIMS}
+        wait = cut({r: w for r, (w, _) in split.items()})
+        transfer = cut({r: t for r, (_, t) in split.items()})
+        # pipeline p2p that cannot pair (no peer tag; NCCL kernels of GPU ranks) counts as moving
+        transfer = transfer | (cut(untagged) - wait) | (cut({r: act.p2p for r, act in mine_acts.items() if act.gpu}) - wait)
+        piped = has_pipe[a:b]
+        pipe_iv = axes.place(row[piped], np.maximum(pipe[a:b][piped, 0], start[a:b][piped]),
+                             np.minimum(pipe[a:b][piped, 1], end[a:b][piped]))
+        order = [("compute", compute)]
+        for dim in COMM_DIMS:
+            # The step-final collective blocks while other stages still run the pipeline: that is
+            # bubble (contract 3); after the pipeline window it is this dimension's again.
+            order.append((f"{dim}_exposed", comm[dim] | (final[dim] - pipe_iv)))
+        order += [("pp_transfer", transfer), ("pp_bubble", wait | pipe_iv)]
+        parts = partition(axes.place(row, start[a:b], end[a:b]), order, rest="other")
+        hidden = {dim: axes.totals((comm[dim] | final[dim]) & compute) for dim in COMM_DIMS}
+        unsplit_ns = axes.totals(cut(unsplit) & parts["pp_bubble"]) if unsplit else np.zeros(n, np.int64)
+        return parts, hidden, unsplit_ns
+
+    swept = [sweep(a, b) for a, b in _rank_groups(rank, acts, SWEEP_INTERVALS)]
+    # the groups' rows follow one another: their placed sets, joined, are sorted still
+    parts = {name: Intervals(np.concatenate([p[name].starts for p, _, _ in swept]),
+                             np.concatenate([p[name].ends for p, _, _ in swept])) for name in swept[0][0]}
+    hidden = {dim: sum(h[dim] for _, h, _ in swept) for dim in COMM_DIMS}
+    return Partitions(rank, step, start, end, axes, parts, hidden, sum(u for _, _, u in swept))
+
+
+def _rank_groups(rank: np.ndarray, acts: dict, budget: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of whole ranks (``rank``: each row's, ascending), consecutive, each
+    holding about ``budget`` intervals of its ranks' activity sets (a larger rank alone); one
+    empty range for no rows."""
+    firsts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]]) if len(rank) else np.zeros(0, np.int64)
+    if len(firsts) < 2:
+        return [(0, len(rank))]
+    size = np.array([_intervals(acts[int(r)]) for r in rank[firsts]], np.int64)
+    group = (np.cumsum(size) - size) // max(budget, 1)  # where each rank's intervals begin, in budgets
+    heads = firsts[np.flatnonzero(np.r_[True, group[1:] != group[:-1]])]
+    return list(zip(heads.tolist(), [*heads[1:].tolist(), len(rank)]))
+
+
+def _intervals(act) -> int:
+    return len(act.compute) + len(act.p2p) + sum(len(s) for s in (*act.comm.values(), *act.step_final.values()))
 
 
 def breakdown_table(partitions: Partitions) -> pd.DataFrame:

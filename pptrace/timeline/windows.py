@@ -50,19 +50,40 @@ def host_step_windows(events: pd.DataFrame, steps=None) -> dict:
     return dict(zip(keys, spans))
 
 
+#: Rows read at a time by gpu_step_windows: its temporaries stay a few MB whatever the run.
+_CHUNK_ROWS = 1 << 20
+#: (rank, step) cells up to which gpu_step_windows keeps a table of them (else a groupby).
+_MAX_CELLS = 1 << 24
+
+
 def gpu_step_windows(events: pd.DataFrame, steps=None) -> dict:
     """(rank, step) -> Window of each step's GPU work, for ranks that have GPU work."""
-    # the four columns only: a whole-row copy of most of a GPU trace's table cost more
-    # than the grouping
-    work = events.loc[isin(events["category"], GPU_ACTIVITY) & (events["step"] >= 0).to_numpy(),
-                      ["rank", "step", "start_ns", "end_ns"]]
-    if work.empty:
+    work = isin(events["category"], GPU_ACTIVITY) & (events["step"] >= 0).to_numpy()
+    if not work.any():
         return {}
-    g = (work.groupby(["rank", "step"], observed=True)
-         .agg(start=("start_ns", "min"), end=("end_ns", "max")).sort_index())
-    rank = g.index.get_level_values(0).to_numpy(np.int64)
-    step = g.index.get_level_values(1).to_numpy(np.int64)
-    start, end = g["start"].to_numpy(np.int64), g["end"].to_numpy(np.int64)
+    rank_of, step_of = events["rank"].to_numpy(), events["step"].to_numpy()
+    n_steps = int(step_of.max()) + 1
+    cells = (int(rank_of.max()) + 1) * n_steps
+    if rank_of.min() < 0 or cells > _MAX_CELLS:
+        work = events.loc[work, ["rank", "step", "start_ns", "end_ns"]]
+        g = (work.groupby(["rank", "step"], observed=True)
+             .agg(start=("start_ns", "min"), end=("end_ns", "max")).sort_index())
+        rank, step = g.index.get_level_values(0).to_numpy(np.int64), g.index.get_level_values(1).to_numpy(np.int64)
+        start, end = g["start"].to_numpy(np.int64), g["end"].to_numpy(np.int64)
+    else:
+        # each (rank, step)'s first start and last end, a slice of rows at a time: a groupby
+        # of the selected rows' four columns took 174 MB on a 32-rank MoE-sized GPU run
+        first = np.full(cells, np.iinfo(np.int64).max)
+        last = np.full(cells, np.iinfo(np.int64).min)
+        starts, ends = events["start_ns"].to_numpy(np.int64), events["end_ns"].to_numpy(np.int64)
+        for lo in range(0, len(work), _CHUNK_ROWS):
+            rows = slice(lo, lo + _CHUNK_ROWS)
+            mine = work[rows]
+            cell = rank_of[rows][mine].astype(np.int64) * n_steps + step_of[rows][mine]
+            np.minimum.at(first, cell, starts[rows][mine])
+            np.maximum.at(last, cell, ends[rows][mine])
+        cell = np.flatnonzero(last > np.iinfo(np.int64).min)  # (rank, step) order, as sort_index gives
+        rank, step, start, end = cell // n_steps, cell % n_steps, first[cell], last[cell]
     # steps never overlap: a step's window stops where the same rank's next step starts
     same_rank_next = np.append(rank[1:] == rank[:-1], False)
     end = np.where(same_rank_next, np.minimum(end, np.append(start[1:], 0)), end)

@@ -89,6 +89,23 @@ def test_pipeline_partition_exact(scenario_run):
                                 "dp_exposed": 18, "other": 27, **zero}
 
 
+def test_pipeline_partition_a_rank_at_a_time_is_the_same(scenario_run, monkeypatch):
+    """partition_run sweeps the ranks in groups (SWEEP_INTERVALS): one rank per group places
+    the same parts, to the nanosecond, as every rank in one sweep."""
+    import pptrace.analyzers.partition as partition_mod
+
+    whole = partition_run(scenario_run)
+    monkeypatch.setattr(partition_mod, "SWEEP_INTERVALS", 1)
+    assert partition_mod._rank_groups(whole.rank, scenario_run.activities, 1) == [(0, 1), (1, 2)]
+    apart = partition_run(scenario_run)
+    assert set(apart.parts) == set(whole.parts)
+    for name, placed in whole.parts.items():
+        assert apart.parts[name].starts.tolist() == placed.starts.tolist()
+        assert apart.parts[name].ends.tolist() == placed.ends.tolist()
+    assert {d: v.tolist() for d, v in apart.hidden.items()} == {d: v.tolist() for d, v in whole.hidden.items()}
+    assert breakdown_table(apart).equals(breakdown_table(whole))
+
+
 def test_pipeline_parts_sum_to_step_to_the_nanosecond(scenario_run):
     for p in partition_run(scenario_run):
         assert sum(iv.total for iv in p.parts.values()) == p.wall_ns == 260 * US

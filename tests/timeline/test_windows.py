@@ -142,6 +142,46 @@ def test_gpu_step_windows_keep_each_rank_apart():
     assert gpu_step_windows(ev[ev["category"] == "runtime"]) == {}
 
 
+def _gpu_step_windows_ref(ev: pd.DataFrame, steps=None) -> dict:
+    """gpu_step_windows row by row: each (rank, step)'s first start and last end, cut at the
+    same rank's next step."""
+    spans: dict = {}
+    for r, s, c, a, b in zip(ev["rank"], ev["step"], ev["category"], ev["start_ns"], ev["end_ns"]):
+        if c in ("kernel_compute", "kernel_comm", "memcpy") and s >= 0:
+            lo, hi = spans.get((r, s), (a, b))
+            spans[(r, s)] = (min(lo, a), max(hi, b))
+    keys = sorted(spans)
+    out = {}
+    for i, key in enumerate(keys):
+        lo, hi = spans[key]
+        if i + 1 < len(keys) and keys[i + 1][0] == key[0]:
+            hi = min(hi, spans[keys[i + 1]][0])
+        if steps is None or key[1] in steps:
+            out[key] = (lo, hi)
+    return out
+
+
+@pytest.mark.parametrize("path", ["table", "table, small slices", "groupby"])
+def test_gpu_step_windows_equal_a_row_by_row_reference(monkeypatch, path):
+    """Both ways gpu_step_windows gathers (a table of (rank, step) cells read a slice of rows
+    at a time; a groupby where the cells would be too many), against the reference."""
+    import pptrace.timeline.windows as windows
+
+    if path == "groupby":
+        monkeypatch.setattr(windows, "_MAX_CELLS", 0)
+    if path.endswith("small slices"):
+        monkeypatch.setattr(windows, "_CHUNK_ROWS", 3)
+    rng = np.random.default_rng(8)
+    kinds = np.array(["kernel_compute", "kernel_comm", "memcpy", "runtime", "other"], dtype=object)
+    for _ in range(150):
+        n = int(rng.integers(1, 40))
+        start = rng.integers(0, 1000, n)
+        ev = _table(category=kinds[rng.integers(0, len(kinds), n)], rank=rng.integers(0, 4, n),
+                    step=rng.integers(-1, 6, n), start_ns=start, end_ns=start + rng.integers(0, 50, n))
+        steps = None if rng.random() < 0.5 else set(rng.integers(0, 6, 2).tolist())
+        assert gpu_step_windows(ev, steps) == _gpu_step_windows_ref(ev, steps)
+
+
 # -- the partition's window ------------------------------------------------------------------
 def test_step_windows_take_the_gpu_s_for_gpu_ranks(gpu_events, clock):
     host = host_step_windows(gpu_events)
