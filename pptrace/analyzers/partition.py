@@ -184,11 +184,18 @@ def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | No
         return parts, hidden, unsplit_ns
 
     swept = [sweep(a, b) for a, b in _rank_groups(rank, acts, SWEEP_INTERVALS)]
-    # the groups' rows follow one another: their placed sets, joined, are sorted still
-    parts = {name: Intervals(np.concatenate([p[name].starts for p, _, _ in swept]),
-                             np.concatenate([p[name].ends for p, _, _ in swept])) for name in swept[0][0]}
     hidden = {dim: sum(h[dim] for _, h, _ in swept) for dim in COMM_DIMS}
-    return Partitions(rank, step, start, end, axes, parts, hidden, sum(u for _, _, u in swept))
+    unsplit_ns = sum(u for _, _, u in swept)
+    # the groups' rows follow one another: their placed sets, joined, are sorted still. A part's
+    # pieces are let go once joined, so that only one part is held twice at a time
+    pieces = {name: [p.pop(name) for p, _, _ in swept] for name in list(swept[0][0])}
+    del swept
+    parts = {}
+    for name in list(pieces):
+        held = pieces.pop(name)
+        parts[name] = Intervals(np.concatenate([iv.starts for iv in held]), np.concatenate([iv.ends for iv in held]))
+        del held
+    return Partitions(rank, step, start, end, axes, parts, hidden, unsplit_ns)
 
 
 def _rank_groups(rank: np.ndarray, acts: dict, budget: int) -> list[tuple[int, int]]:

@@ -452,15 +452,42 @@ def rank_activity(ev: pd.DataFrame, rank: int, layout, groups: dict | None = Non
     return _activities(ev, np.zeros(len(ev), np.int64), [rank], layout, [groups])[0]
 
 
+#: Rows taken at a time by :func:`activities` when the table comes in rank order (as the
+#: loader assembles it): whole ranks, about this many rows of them, so that the pass's
+#: temporaries (~30 bytes a row at its peak) stay bounded whatever the run's size.
+ACTIVITY_ROWS = 4_000_000
+
+
 def activities(events: pd.DataFrame, ranks, layout, groups_by_rank: dict | None = None) -> dict:
     """rank -> Activity for each of ``ranks`` (None: every rank in ``events``, ascending), as
-    rank_activity gives it from that rank's rows, all ranks in one pass over the frame.
-    ``groups_by_rank``: rank -> its process groups (rank_activity's ``groups``)."""
+    rank_activity gives it from that rank's rows, many ranks in each pass over the frame
+    (ACTIVITY_ROWS). ``groups_by_rank``: rank -> its process groups (rank_activity's ``groups``)."""
     rank_of_row = events["rank"].to_numpy()
     ranks = [int(r) for r in (np.sort(pd.unique(rank_of_row)) if ranks is None else ranks)]
-    # int32: a row each, held through the whole pass (an int64 was 60 MB at 7.5 M rows)
-    group = pd.Index(ranks).get_indexer(rank_of_row).astype(np.int32)
-    if (group < 0).any():
-        events, group = events[group >= 0], group[group >= 0]
     groups_by_rank = groups_by_rank or {}
-    return dict(zip(ranks, _activities(events, group, ranks, layout, [groups_by_rank.get(r) for r in ranks])))
+    out: dict = {}
+    for rows, mine in _rank_slices(rank_of_row, ranks, ACTIVITY_ROWS):
+        ev = events if rows is None else events.iloc[rows]
+        # int32: a row each, held through the whole pass (an int64 was 60 MB at 7.5 M rows)
+        group = pd.Index(mine).get_indexer(ev["rank"].to_numpy()).astype(np.int32)
+        if (group < 0).any():
+            ev, group = ev[group >= 0], group[group >= 0]
+        out.update(zip(mine, _activities(ev, group, mine, layout, [groups_by_rank.get(r) for r in mine])))
+    return {r: out[r] for r in ranks}
+
+
+def _rank_slices(rank_of_row: np.ndarray, ranks: list, budget: int) -> list[tuple]:
+    """(rows, ranks) passes: each a slice of rows holding whole ranks, about ``budget`` rows
+    of them, with the ``ranks`` it holds (a rank without rows goes with the pass its number
+    falls in), where the rows come in rank order; else one pass over every row (rows None)."""
+    if len(rank_of_row) <= budget or not ascending(rank_of_row):
+        return [(None, ranks)]
+    present = np.unique(rank_of_row)
+    first = np.searchsorted(rank_of_row, present)
+    count = np.diff(np.r_[first, len(rank_of_row)])
+    group = (np.cumsum(count) - count) // max(budget, 1)  # where each rank's rows begin, in budgets
+    heads = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    bounds = [*first[heads].tolist(), len(rank_of_row)]
+    wanted = np.asarray(ranks, np.int64)
+    pass_of = np.maximum(np.searchsorted(present[heads], wanted, side="right") - 1, 0)
+    return [(slice(bounds[i], bounds[i + 1]), [int(r) for r in wanted[pass_of == i]]) for i in range(len(heads))]

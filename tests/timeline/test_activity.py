@@ -65,6 +65,27 @@ def test_all_ranks_at_once_equal_one_rank_at_a_time(tmp_path):
     assert activities(run.events, [3, 9], run.layout)[9].compute.total == 0
 
 
+def test_ranks_taken_a_few_at_a_time_equal_all_at_once(tmp_path, monkeypatch):
+    """activities takes whole ranks' slices of a rank-ordered table (ACTIVITY_ROWS): one rank
+    a pass gives every rank the activity one pass over the table gives it, ranks asked for
+    without events included, in the order asked."""
+    import pptrace.timeline.activity as activity
+
+    run_dir, _ = pipeline_run(tmp_path / "run", pp=2, dp=2, microbatches=2)
+    run = load_run(run_dir, use_cache=False, progress=False)
+    together = activities(run.events, [3, 9, 0, 1, 2], run.layout, run.process_groups)
+    rank_of_row = run.events["rank"].to_numpy()
+    assert (np.diff(rank_of_row) >= 0).all()  # the loader's table comes rank by rank
+    monkeypatch.setattr(activity, "ACTIVITY_ROWS", 1)
+    passes = activity._rank_slices(rank_of_row, [3, 9, 0, 1, 2], 1)
+    assert [mine for _, mine in passes] == [[0], [1], [2], [3, 9]]
+    apart = activities(run.events, [3, 9, 0, 1, 2], run.layout, run.process_groups)
+    assert list(apart) == list(together) == [3, 9, 0, 1, 2]
+    for rank in together:
+        _same(apart[rank], together[rank])
+    assert apart[9].compute.total == 0 and apart[0].compute.total > 0
+
+
 def test_range_order_is_lexsorts_whether_or_not_the_rows_come_sorted():
     """_by_lane_start_longest takes a stable sort by lane when each lane's rows already come
     in (start, longest first) order, as a rank's table has them; else it falls back to the
