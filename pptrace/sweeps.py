@@ -59,6 +59,17 @@ def isin(column, values) -> np.ndarray:
     return np.isin(array, np.asarray(values, np.int64))
 
 
+def budget_groups(sizes, budget: int) -> np.ndarray:
+    """Where each group of consecutive items begins (their indices), the items of ``sizes``
+    taken in order about ``budget`` at a time (one larger than it alone): the passes over
+    whole ranks that keep an analysis' temporaries bounded whatever the run's size."""
+    sizes = np.asarray(sizes, np.int64)
+    if not len(sizes):
+        return np.zeros(0, np.int64)
+    group = (np.cumsum(sizes) - sizes) // max(int(budget), 1)  # where each item begins, in budgets
+    return np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+
+
 def ascending(*keys) -> bool:
     """Whether the rows already come in the order of ``keys`` (the first the major key), so
     that a sort by them (stable, or np.lexsort of the keys reversed) would keep them as they

@@ -10,6 +10,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
+from ..sweeps import budget_groups
 from ..timeline.projection import gpu_extent
 from ..timeline.intervals import Axes, Intervals, flat, partition, pieces_in_windows, union_by_group
 from .p2p import MatchedPairs, match_pairs, peer_not_loaded, split_by_rank, unsplit_by_rank
@@ -205,9 +206,7 @@ def _rank_groups(rank: np.ndarray, acts: dict, budget: int) -> list[tuple[int, i
     firsts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]]) if len(rank) else np.zeros(0, np.int64)
     if len(firsts) < 2:
         return [(0, len(rank))]
-    size = np.array([_intervals(acts[int(r)]) for r in rank[firsts]], np.int64)
-    group = (np.cumsum(size) - size) // max(budget, 1)  # where each rank's intervals begin, in budgets
-    heads = firsts[np.flatnonzero(np.r_[True, group[1:] != group[:-1]])]
+    heads = firsts[budget_groups([_intervals(acts[int(r)]) for r in rank[firsts]], budget)]
     return list(zip(heads.tolist(), [*heads[1:].tolist(), len(rank)]))
 
 

@@ -29,7 +29,7 @@ from ..ingest.schema import tags_of
 from ..ingest.nccl import group_members, is_p2p_collective
 from .projection import KERNEL_CATEGORIES, gpu_extent
 from .intervals import Intervals, union_by_group
-from ..sweeps import ascending, cover_max, dense_ranks, dominance_max, isin, lane_keys
+from ..sweeps import ascending, budget_groups, cover_max, dense_ranks, dominance_max, isin, lane_keys
 from ..vocab import COMM_DIMS, collective_key, is_step_end
 
 _IDENTITY = ("ring_step", "layer", "bucket", "mb", "chunk")
@@ -484,9 +484,7 @@ def _rank_slices(rank_of_row: np.ndarray, ranks: list, budget: int) -> list[tupl
         return [(None, ranks)]
     present = np.unique(rank_of_row)
     first = np.searchsorted(rank_of_row, present)
-    count = np.diff(np.r_[first, len(rank_of_row)])
-    group = (np.cumsum(count) - count) // max(budget, 1)  # where each rank's rows begin, in budgets
-    heads = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    heads = budget_groups(np.diff(np.r_[first, len(rank_of_row)]), budget)
     bounds = [*first[heads].tolist(), len(rank_of_row)]
     wanted = np.asarray(ranks, np.int64)
     pass_of = np.maximum(np.searchsorted(present[heads], wanted, side="right") - 1, 0)

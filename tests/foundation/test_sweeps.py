@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pptrace.sweeps import (ascending, cover_max, dense_ranks, dominance_max, inside, isin, lane_keys, reach_before,
-                            running_max)
+from pptrace.sweeps import (ascending, budget_groups, cover_max, dense_ranks, dominance_max, inside, isin, lane_keys,
+                            reach_before, running_max)
 
 I64_MIN = np.iinfo(np.int64).min
 EPOCH = 1_790_000_000_000_000_000  # ns: the size of the times the analyses pass in
@@ -360,3 +360,11 @@ def test_isin_answers_as_pandas_isin_on_every_kind_of_column():
     many = pd.Series(pd.Categorical([f"k{i % 23}" if i % 7 else None for i in range(200)]))
     for values in ([f"k{i}" for i in range(0, 23, 2)], [f"k{i}" for i in range(9)] + [None], ["k3"]):
         assert isin(many, values).tolist() == many.isin(values).to_numpy(bool).tolist()
+
+
+def test_budget_groups_start_a_group_where_the_budget_runs_out():
+    assert budget_groups([], 5).tolist() == []
+    assert budget_groups([3, 3, 3, 3], 6).tolist() == [0, 2]   # items begin at 0 3 | 6 9
+    assert budget_groups([10, 1, 1], 4).tolist() == [0, 1]     # the large one alone
+    assert budget_groups([2, 2, 2], 100).tolist() == [0]
+    assert budget_groups([1, 1, 1], 1).tolist() == [0, 1, 2]
