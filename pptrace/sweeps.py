@@ -6,7 +6,8 @@ lane's keys all lie above those of the lanes before it, so a running maximum nev
 from one lane into the next. Where lanes x span would pass int64, the time's dense rank
 among all the times involved stands in for it (a sort).
 
-Also :func:`isin`, the whole-column membership test the analyses make of the events table.
+Also :func:`isin`, the whole-column membership test the analyses make of the events table,
+and :func:`budget_groups`, how whole ranks are cut into passes of bounded memory.
 """
 from __future__ import annotations
 

@@ -80,11 +80,12 @@ def row_codes(*columns) -> np.ndarray:
     columns (nulls equal each other)."""
     # a column at a time, each pair of codes made one again (first appearance is kept):
     # a groupby over all of them cost more than the hashing
-    code = np.zeros(len(columns[0]) if columns else 0, np.int64)
+    code = None
     for column in columns:
         c_code, uniques = pd.factorize(column.array if isinstance(column, pd.Series) else column, use_na_sentinel=False)
-        code = pd.factorize(code * (len(uniques) + 1) + c_code)[0].astype(np.int64, copy=False)
-    return code
+        c_code = c_code.astype(np.int64, copy=False)
+        code = c_code if code is None else pd.factorize(code * (len(uniques) + 1) + c_code)[0].astype(np.int64, copy=False)
+    return np.zeros(0, np.int64) if code is None else code
 
 
 def _runs(n_groups: int, group: np.ndarray) -> np.ndarray:
@@ -482,8 +483,8 @@ def _rank_slices(rank_of_row: np.ndarray, ranks: list, budget: int) -> list[tupl
     falls in), where the rows come in rank order; else one pass over every row (rows None)."""
     if len(rank_of_row) <= budget or not ascending(rank_of_row):
         return [(None, ranks)]
-    present = np.unique(rank_of_row)
-    first = np.searchsorted(rank_of_row, present)
+    first = np.flatnonzero(np.r_[True, rank_of_row[1:] != rank_of_row[:-1]])  # in rank order: no sort
+    present = rank_of_row[first]
     heads = budget_groups(np.diff(np.r_[first, len(rank_of_row)]), budget)
     bounds = [*first[heads].tolist(), len(rank_of_row)]
     wanted = np.asarray(ranks, np.int64)
