@@ -110,10 +110,11 @@ def pipeline_window(truths: dict, rank: int, step: int) -> tuple:
 
 
 def passes_window(truths: dict, rank: int, step: int) -> tuple:
-    """The part of :func:`pipeline_window` that surely lies in the analysis' window: the
-    first pass any rank began to the last one any rank ended (the window starts at the first
-    pipeline operation, which may be a recv posted before it; torch's schedule.step() spends
-    ~1-2 ms on a slow box before its first operation and after its last)."""
+    """The pipeline window as DESIGN contract 3 means it: the first pass any rank began to
+    the last one any rank ended, within ``rank``'s step (the framework's spans, so it holds
+    the analysis' window, which starts at the first pass's range). :func:`pipeline_window`,
+    the schedule call, is wider: torch's schedule.step() spends ~1-2 ms before its first
+    operation, and after its last pass reduces FSDP's gradients and waits on its sends."""
     return _spanning(truths, rank, step, passes, "start_epoch_ns", "end_epoch_ns")
 
 

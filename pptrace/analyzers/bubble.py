@@ -278,8 +278,10 @@ def bubble_split(run, partitions, pairs: pd.DataFrame | None = None) -> dict:
         return {}
     if on_gpu(run.events) or missing_stages(run):  # a replay without those stages' passes would be another pipeline
         return {}
-    profiled = {step: window for step, window in windows.items() if step in run.steps}
-    latency = {step: max(profiled[step].end_ns - end, 0) for step, end in latency_free_ends(run, pairs, profiled).items()}
+    # the replay runs the step's whole programs, from its first pipeline op to its last (a
+    # send waited on after the last pass included): how much sooner that span would end
+    spans = {step: span for step, span in run.pipeline_spans.items() if step in run.steps and step in windows}
+    latency = {step: max(spans[step].end_ns - end, 0) for step, end in latency_free_ends(run, pairs, spans).items()}
     # per partition of a replayed step: its transfers and host gaps inside the pipeline window
     replayed = np.array(sorted(latency), np.int64)
     rows = np.flatnonzero(np.isin(partitions.step, replayed))

@@ -178,7 +178,11 @@ def partition_run(run: Run, acts: dict | None = None, matched: MatchedPairs | No
             # The step-final collective blocks while other stages still run the pipeline: that is
             # bubble (contract 3); after the pipeline window it is this dimension's again.
             order.append((f"{dim}_exposed", comm[dim] | (final[dim] - pipe_iv)))
-        order += [("pp_transfer", transfer), ("pp_bubble", wait | pipe_iv)]
+        # A wait outside the pipeline window waits on its peer's own work before its first
+        # pass (set-up, data) or after the last: not the schedule's bubble, the rest (other).
+        # A step without a window (no passes seen) keeps its waits as bubble.
+        waits_in = pipe_iv | axes.place(row[~piped], start[a:b][~piped], end[a:b][~piped])
+        order += [("pp_transfer", transfer), ("pp_bubble", (wait & waits_in) | pipe_iv)]
         parts = partition(axes.place(row, start[a:b], end[a:b]), order, rest="other")
         hidden = {dim: axes.totals((comm[dim] | final[dim]) & compute) for dim in COMM_DIMS}
         unsplit_ns = axes.totals(cut(unsplit) & parts["pp_bubble"]) if unsplit else np.zeros(n, np.int64)

@@ -180,6 +180,12 @@ class Run:
         return windows.pipeline_windows(self.events, self.layout.pp)
 
     @cached_property
+    def pipeline_spans(self) -> dict:
+        """step -> (start, end) of the step's pipeline ops, p2p included: what a replay of
+        its programs spans (windows.pipeline_windows, ``with_p2p``)."""
+        return windows.pipeline_windows(self.events, self.layout.pp, with_p2p=True)
+
+    @cached_property
     def activities(self) -> dict:
         """rank -> Activity: when it computed and when each dimension communicated."""
         return activities(self.events, None, self.layout, self.process_groups)

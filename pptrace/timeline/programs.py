@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..sweeps import isin, reach_before, running_max
-from ..vocab import COMM_CATEGORIES
+from ..vocab import COMM_CATEGORIES, PIPELINE_COMPUTE
 
 #: The main thread's work units: what it replays and what a critical path runs through; a
 #: collective after the pipeline window is not replayed (its wait for the last stage is what
@@ -28,12 +28,13 @@ def main_thread_work(events: pd.DataFrame, steps=None, categories=WORK_CATEGORIE
     return keep
 
 
-def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
-    """step -> the end of that step's pipeline window (ns, measured clock; ``windows``: step
-    -> (start, end)) had p2p been free and host gaps zero: the step's measured programs
-    replayed with their pass durations, zero latency and eager sends, every rank starting
-    at the window's start. Steps the replay cannot follow (a wait whose matched peer op is
-    never posted: a deadlock) are left out.
+def latency_free_ends(run, pairs: pd.DataFrame, spans: dict) -> dict:
+    """step -> the end of that step's pipeline window, its last pass's end (ns, measured
+    clock), had p2p been free and host gaps zero: the step's measured programs (the ranges
+    inside ``spans``: step -> (start, end) of its pipeline ops, run.pipeline_spans) replayed
+    with their pass durations, zero latency and eager sends, every rank starting at the
+    span's start. Steps the replay cannot follow (a wait whose matched peer op is never
+    posted: a deadlock) are left out.
 
     Each rank's measured program is the ranges it ran on its main thread in their measured
     order: each top-level range a "run" of its measured duration (ranges inside a pass are
@@ -60,13 +61,13 @@ def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
     clocks are one running maximum; the waits whose senders' posts are settled settle each
     round, and a round settles at least one wait, so the rounds number the longest chain of
     messages, not the ops."""
-    ev = run.events
+    ev, windows = run.events, spans
     steps = list(windows)
     keep = main_thread_work(ev, steps)
     sel = pairs[pairs["step"].isin(steps).to_numpy()]
     send_of = pd.to_numeric(sel["send_index"], errors="coerce").fillna(-1).to_numpy(np.int64)
     recv_of = pd.to_numeric(sel["recv_index"], errors="coerce").fillna(-1).to_numpy(np.int64)
-    work = ev.loc[keep, ["rank", "step", "start_ns", "end_ns", "category", "kind"]]
+    work = ev.loc[keep, ["rank", "step", "start_ns", "end_ns", "category", "kind", "op"]]
     step = work["step"].to_numpy(np.int64)
     start, end = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
     # each step's ranges inside its window, as one selection (not a frame per rank and step)
@@ -79,9 +80,10 @@ def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
     index = work.index.to_numpy()[inside]
     is_pp = ((work["category"] == "p2p") & (work["kind"] == "pp")).to_numpy()[inside] \
         & np.isin(index, np.r_[send_of, recv_of])
+    is_pass = ((work["category"] == "compute").to_numpy() & isin(work["op"], PIPELINE_COMPUTE))[inside]
     # by step, rank, start, longest first; stable: equal spans keep the trace's order
     order = np.lexsort((-end, start, rank, step))
-    rank, step, start, end, index, is_pp = (a[order] for a in (rank, step, start, end, index, is_pp))
+    rank, step, start, end, index, is_pp, is_pass = (a[order] for a in (rank, step, start, end, index, is_pp, is_pass))
     program = np.cumsum(np.r_[False, (np.diff(step) != 0) | (np.diff(rank) != 0)]) if len(step) else step
 
     # -- every program's ops: a post and a wait per p2p op, a run per top-level range ----
@@ -133,11 +135,12 @@ def latency_free_ends(run, pairs: pd.DataFrame, windows: dict) -> dict:
         blocked &= ~newly
     # (the round that found nothing new computed the clocks from the final ``held``)
 
-    # -- per step: the latest clock; a step with a wait that never settled deadlocked ------
+    # -- per step: its last pass's clock; a step with a wait that never settled deadlocked --
     out = {}
     stuck = set(step[row[blocked]].tolist())
     last = np.zeros(len(known), np.int64)
-    np.maximum.at(last, np.searchsorted(known, step[row]), clock)
+    ends = (op_kind == _RUN) & is_pass[row]  # a run's clock is where it ends
+    np.maximum.at(last, np.searchsorted(known, step[row[ends]]), clock[ends])
     for s in np.unique(work["step"].to_numpy(np.int64)).tolist():  # a step with none inside replays empty
         if s not in stuck:
             out[int(s)] = windows[int(s)][0] + int(last[np.searchsorted(known, s)])

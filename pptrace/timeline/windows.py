@@ -4,12 +4,16 @@
   for a rank with GPU work, the span of the GPU activity launched inside that range, cut
   where the next step's first activity starts (the GPU runs behind the host, so the host
   range would hand the tail of step N's kernels to step N+1; see analyzers/gpu_timeline.py).
-- A step's **pipeline window** (DESIGN contract 3) runs from the first pipeline operation
-  (a pass or a p2p range) to the last one across all stages, on aligned clocks; on GPU
-  traces from where that work ran, not where it was launched.
+- A step's **pipeline window** (DESIGN contract 3) runs from the first pass's start to the
+  last pass's end across all stages, on aligned clocks; on GPU traces from where that work
+  ran, not where it was launched. p2p ranges do not widen it: before the first pass no stage
+  can wait for another's output, and after the last nothing is left to wait for. A recv posted
+  early waits on its peer's set-up, and torch pipelining waits on its sends only once its
+  schedule is done (after its FSDP gradient reduce): counting them put 30-90 ms of a
+  torchtitan Interleaved1F1B step's own work into the bubble (issue 42 item 1).
 
-The Run caches these (``run.step_windows``, ``run.pipeline_windows``); everything that
-needs a window (partition, bubble split, what-if, critical path, dashboard) takes it there.
+The Run caches these (``run.step_windows``, ``run.pipeline_windows``, ``run.pipeline_spans``);
+everything that needs a window (partition, bubble split, what-if, critical path, dashboard) takes it there.
 """
 from __future__ import annotations
 
@@ -102,15 +106,18 @@ def step_windows(events: pd.DataFrame, steps=None, gpu_ranks=()) -> dict:
     return windows
 
 
-def pipeline_windows(events: pd.DataFrame, pp: int) -> dict:
-    """step -> Window from the first pipeline op's start to the last one's end, across all stages."""
+def pipeline_windows(events: pd.DataFrame, pp: int, with_p2p: bool = False) -> dict:
+    """step -> Window from the first pass's start to the last one's end, across all stages.
+    ``with_p2p``: from the first pipeline op (pass or p2p range) to the last, the span a
+    replay of the step's programs needs (every send its recvs wait on)."""
     if pp <= 1:
         return {}
     host = ((events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy()
             & (events["step"] >= 0).to_numpy())
     cat = events["category"]
-    pipe = ((cat == "p2p").to_numpy()
-            | ((cat == "compute").to_numpy() & isin(events["op"], PIPELINE_COMPUTE)))
+    pipe = (cat == "compute").to_numpy() & isin(events["op"], PIPELINE_COMPUTE)
+    if with_p2p:
+        pipe |= (cat == "p2p").to_numpy()
     ops = events.loc[host & pipe, ["step", *(c for c in EXTENT_COLUMNS if c in events.columns)]]
     if ops.empty:
         return {}

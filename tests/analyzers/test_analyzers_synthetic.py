@@ -76,17 +76,19 @@ def test_partition_priority_and_exact_sum():
 def test_pipeline_partition_exact(scenario_run):
     table = breakdown_table(partition_run(scenario_run))
     zero = {"tp_exposed": 0, "cp_exposed": 0, "ep_exposed": 0, "hidden_tp": 0, "hidden_cp": 0, "hidden_dp": 0, "hidden_ep": 0}
-    # Pipeline window [5, 212): first op = stage 1's recv, last = stage 0's last backward.
-    # Data moves from both sides posted until the first side is done. Stage 0: compute
-    # 20+20+40+40+8; transfer 8+5+4; bubble = window 207 - compute 120 - transfer 17 = 70
-    # (its waits 2+2+36+1+22+2 and [5,10)); grad-norm after the window is dp (18);
-    # other [0,5) [230,232) [240,260) = 27.
-    assert _us(table, 0, 1) == {"time_s": 260, "compute": 128, "pp_transfer": 17, "pp_bubble": 70,
-                                "dp_exposed": 18, "other": 27, **zero}
-    # Stage 1: transfer 8+5+3+4; bubble = its recv wait 25 + grad-norm inside the window
-    # [170, 212) 42; the grad-norm's remainder [212, 230) is dp.
-    assert _us(table, 1, 1) == {"time_s": 260, "compute": 128, "pp_transfer": 20, "pp_bubble": 67,
-                                "dp_exposed": 18, "other": 27, **zero}
+    # Pipeline window [10, 212): the first pass (stage 0's first forward) to the last (its
+    # last backward); stage 1's recv posted at 5 does not widen it. Data moves from both
+    # sides posted until the first side is done. Stage 0: compute 20+20+40+40+8; transfer
+    # 8+5+4; bubble = window 202 - compute 120 - transfer 17 = 65 (its waits
+    # 2+2+36+1+22+2); grad-norm after the window is dp (18); other [0,10) [230,232)
+    # [240,260) = 32.
+    assert _us(table, 0, 1) == {"time_s": 260, "compute": 128, "pp_transfer": 17, "pp_bubble": 65,
+                                "dp_exposed": 18, "other": 32, **zero}
+    # Stage 1: transfer 8+5+3+4; bubble = its recv wait inside the window [10, 30) 20 +
+    # grad-norm inside the window [170, 212) 42; the wait's [5, 10), on stage 0's set-up
+    # before any pass, is other; the grad-norm's remainder [212, 230) is dp.
+    assert _us(table, 1, 1) == {"time_s": 260, "compute": 128, "pp_transfer": 20, "pp_bubble": 62,
+                                "dp_exposed": 18, "other": 32, **zero}
 
 
 def test_pipeline_partition_a_rank_at_a_time_is_the_same(scenario_run, monkeypatch):
@@ -125,17 +127,17 @@ def test_p2p_pairs_and_links(scenario_run):
 def test_pipeline_stages_bubble_phases_and_theory(scenario_run):
     stages, summary = pipeline_stages(scenario_run, partition_run(scenario_run))
     s0, s1 = stages.iloc[0], stages.iloc[1]
-    assert round(s0.bubble_s * 1e6) == 70 and round(s1.bubble_s * 1e6) == 67
+    assert round(s0.bubble_s * 1e6) == 65 and round(s1.bubble_s * 1e6) == 62
     # Stage 0's first backward starts at 104 (its last forward ended at 60): warm-up bubble
-    # [5,10) + 2 + 2 + 36 + 1 = 46, cool-down 22 + 2. Stage 1: warm-up to 58 holds its 25 µs recv wait,
+    # 2 + 2 + 36 + 1 = 41, cool-down 22 + 2. Stage 1: warm-up to 58 holds its recv wait in the window (20),
     # steady (58..126) none, cool-down the grad-norm's 42 µs inside the window.
-    assert [round(s0[k] * 1e6) for k in ("warmup_bubble_s", "steady_bubble_s", "cooldown_bubble_s")] == [46, 0, 24]
-    assert [round(s1[k] * 1e6) for k in ("warmup_bubble_s", "steady_bubble_s", "cooldown_bubble_s")] == [25, 0, 42]
+    assert [round(s0[k] * 1e6) for k in ("warmup_bubble_s", "steady_bubble_s", "cooldown_bubble_s")] == [41, 0, 24]
+    assert [round(s1[k] * 1e6) for k in ("warmup_bubble_s", "steady_bubble_s", "cooldown_bubble_s")] == [20, 0, 42]
     assert round(s0.t_fwd_s * 1e6) == 20 and round(s0.t_bwd_s * 1e6) == 40
     # 1F1B theory, (p-1)(t_f+t_b) = 60 µs of a (m+p-1)(t_f+t_b) = 180 µs step.
     assert round(s0.theory_bubble_s * 1e6) == 60 and round(s0.theory_bubble_balanced_s * 1e6) == 60
     assert summary["theory_bubble_fraction"] == pytest.approx(60 / 180)
-    assert summary["bubble_fraction"] == pytest.approx((70 / 260 + 67 / 260) / 2)
+    assert summary["bubble_fraction"] == pytest.approx((65 / 260 + 62 / 260) / 2)
 
 
 def test_theory_formulas():

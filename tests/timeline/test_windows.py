@@ -216,11 +216,14 @@ def test_a_selection_of_no_profiled_step_has_no_step_rows(gpu_events):
 
 # -- pipeline windows -----------------------------------------------------------------------
 def test_pipeline_window_of_the_hand_built_pipeline(scenario_run):
-    # tracegen.STAGE0/STAGE1: the first pipeline op is stage 1's recv_fwd at 5 µs, the last
-    # stage 0's bwd mb=1 ending at 212; the all-reduce and the optimizer after it are not
-    # pipeline work, and the ProfilerStep [0, 260) is not the window
-    assert pipeline_windows(scenario_run.events, 2) == {1: (ORIGIN_NS + 5 * US, ORIGIN_NS + 212 * US)}
-    assert scenario_run.pipeline_windows == {1: (ORIGIN_NS + 5 * US, ORIGIN_NS + 212 * US)}
+    # tracegen.STAGE0/STAGE1: the first pass is stage 0's fwd mb=0 at 10 µs (stage 1's
+    # recv_fwd, posted at 5, waits on it and is no part of the window), the last stage 0's
+    # bwd mb=1 ending at 212; the all-reduce and the optimizer after it are not pipeline
+    # work, and the ProfilerStep [0, 260) is not the window. The replay's span, p2p
+    # included, starts at the recv.
+    assert pipeline_windows(scenario_run.events, 2) == {1: (ORIGIN_NS + 10 * US, ORIGIN_NS + 212 * US)}
+    assert scenario_run.pipeline_windows == {1: (ORIGIN_NS + 10 * US, ORIGIN_NS + 212 * US)}
+    assert scenario_run.pipeline_spans == {1: (ORIGIN_NS + 5 * US, ORIGIN_NS + 212 * US)}
     assert scenario_run.step_windows == {(0, 1): (ORIGIN_NS, ORIGIN_NS + 260 * US), (1, 1): (ORIGIN_NS, ORIGIN_NS + 260 * US)}
 
 
@@ -238,14 +241,16 @@ def test_pipeline_windows_which_ops_count():
                 lane_kind=["host"] * 8 + ["gpu"], gpu_annotation=[False] * 7 + [True, False], op=ops,
                 step=[1, 1, 2, 2, 3, 3, 3, 3, 3],
                 start_ns=[10, 20, 5, 30, 40, 0, 60, 1, 2], end_ns=[15, 25, 8, 35, 45, 99, 65, 200, 300])
-    # step 3: the loss and the send count; the optimizer, a gpu_user_annotation copy and a
-    # GPU-lane row do not
-    assert pipeline_windows(ev, 4) == {1: (10, 25), 2: (5, 35), 3: (40, 65)}
+    # step 3: the loss counts, the send only in the replay's span; the optimizer, a
+    # gpu_user_annotation copy and a GPU-lane row do not
+    assert pipeline_windows(ev, 4) == {1: (10, 25), 2: (5, 35), 3: (40, 45)}
+    assert pipeline_windows(ev, 4, with_p2p=True) == {1: (10, 25), 2: (5, 35), 3: (40, 65)}
 
 
 def test_pipeline_windows_on_gpu_traces_are_where_the_work_ran(tmp_path, clock):
     """A send launched on the host at [30, 60) µs whose transfer ran on the GPU [500, 800)
-    (its gpu_user_annotation, same External id): the window ends at 800, not 60."""
+    (its gpu_user_annotation, same External id): the replay's span ends at 800, not 60; the
+    window at the last pass (the forward of stage 1, launched at 700 with no GPU work)."""
     t0, t1 = RankTrace(0, layout=LAYOUT), RankTrace(1, layout=LAYOUT)
     for t in (t0, t1):
         t.step(1, 0, 1000)
@@ -256,7 +261,8 @@ def test_pipeline_windows_on_gpu_traces_are_where_the_work_ran(tmp_path, clock):
     t1.region("pp:recv_fwd", 40, 20, peer=0, mb=0)
     t1.region("compute:fwd", 700, 50, mb=0)
     events = _load(tmp_path, [t0, t1])
-    assert pipeline_windows(events, 2) == {1: (clock(10), clock(800))}
+    assert pipeline_windows(events, 2, with_p2p=True) == {1: (clock(10), clock(800))}
+    assert pipeline_windows(events, 2) == {1: (clock(10), clock(750))}
 
 
 # -- profiled steps -------------------------------------------------------------------------
@@ -299,11 +305,11 @@ def _gpu_ref(rows, steps):
     return out
 
 
-def _pipe_ref(rows):
+def _pipe_ref(rows, with_p2p=False):
     out = {}
     for r in rows:
-        pipe = r["category"] == "p2p" or (r["category"] == "compute"
-                                          and r["op"] in ("fwd", "bwd", "bwd_input", "bwd_weight", "loss"))
+        pipe = (with_p2p and r["category"] == "p2p") or (
+            r["category"] == "compute" and r["op"] in ("fwd", "bwd", "bwd_input", "bwd_weight", "loss"))
         if pipe and r["lane_kind"] == "host" and not r["gpu_annotation"] and r["step"] >= 0:
             lo, hi = out.get(r["step"], (r["start_ns"], r["end_ns"]))
             out[r["step"]] = (min(lo, r["start_ns"]), max(hi, r["end_ns"]))
@@ -342,5 +348,6 @@ def test_windows_random_against_brute_force():
         assert gpu_step_windows(rows, None if steps is None else set(steps)) == _gpu_ref(
             records, None if steps is None else set(steps)), trial
         assert pipeline_windows(rows, 2) == _pipe_ref(records), trial
+        assert pipeline_windows(rows, 2, with_p2p=True) == _pipe_ref(records, with_p2p=True), trial
         assert profiled_steps(rows) == tuple(sorted({r["step"] for r in records
                                                      if r["category"] == "step" and r["step"] >= 0})), trial
