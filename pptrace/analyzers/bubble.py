@@ -31,7 +31,7 @@ from ..vocab import (ACTION_OF, BWD, BWD_INPUT, BWD_OPS, BWD_WEIGHT, FWD, FWD_OP
                      SEND_FWD, ZB_H1, canonical, has_closed_form)
 from ..schedules.replay import PipelineTimes, action_programs, simulate
 from ..timeline.exchanges import on_gpu
-from ..timeline.programs import latency_free_ends
+from ..timeline.programs import latency_free_lengths
 
 
 class Action(NamedTuple):
@@ -261,7 +261,7 @@ def bubble_split(run, partitions, pairs: pd.DataFrame | None = None) -> dict:
     """(rank, step) -> ns of that rank's pp_bubble owed to latency rather than to the schedule.
 
     Per step, L is how much sooner the pipeline window would have ended with free p2p and no
-    host time between ops (``timeline.programs.latency_free_ends``: the step replayed in its measured
+    host time between ops (``timeline.programs.latency_free_lengths``: the step replayed in its measured
     order with its measured pass times); every stage would idle L less. A rank already spends
     part of its idle time in its own transfers and host gaps, which are not bubble, so its
     bubble owes L minus that part to latency (clipped to [0, bubble]). The rest, the schedule
@@ -278,10 +278,12 @@ def bubble_split(run, partitions, pairs: pd.DataFrame | None = None) -> dict:
         return {}
     if on_gpu(run.events) or missing_stages(run):  # a replay without those stages' passes would be another pipeline
         return {}
-    # the replay runs the step's whole programs, from its first pipeline op to its last (a
-    # send waited on after the last pass included): how much sooner that span would end
+    # the replay runs the step's whole programs, its first pipeline op to its last (a recv
+    # posted before the first pass, a send waited on after the last), and says how long the
+    # window, first pass to last, would have lasted: by how much less every stage would idle
     spans = {step: span for step, span in run.pipeline_spans.items() if step in run.steps and step in windows}
-    latency = {step: max(spans[step].end_ns - end, 0) for step, end in latency_free_ends(run, pairs, spans).items()}
+    latency = {step: max(windows[step].end_ns - windows[step].start_ns - length, 0)
+               for step, length in latency_free_lengths(run, pairs, spans).items()}
     # per partition of a replayed step: its transfers and host gaps inside the pipeline window
     replayed = np.array(sorted(latency), np.int64)
     rows = np.flatnonzero(np.isin(partitions.step, replayed))

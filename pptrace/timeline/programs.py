@@ -1,6 +1,6 @@
 """A measured step as replay programs: every rank's main-thread work units (the ranges it ran
 on its main thread: passes, p2p ops, waits, collectives) in their measured order, and that
-step replayed with free p2p and no host gaps (``latency_free_ends``, the bubble's schedule
+step replayed with free p2p and no host gaps (``latency_free_lengths``, the bubble's schedule
 part). One selection of the main thread's work (``main_thread_work``) serves the replay, the
 critical path and the what-if's measurements."""
 from __future__ import annotations
@@ -28,13 +28,14 @@ def main_thread_work(events: pd.DataFrame, steps=None, categories=WORK_CATEGORIE
     return keep
 
 
-def latency_free_ends(run, pairs: pd.DataFrame, spans: dict) -> dict:
-    """step -> the end of that step's pipeline window, its last pass's end (ns, measured
-    clock), had p2p been free and host gaps zero: the step's measured programs (the ranges
-    inside ``spans``: step -> (start, end) of its pipeline ops, run.pipeline_spans) replayed
-    with their pass durations, zero latency and eager sends, every rank starting at the
-    span's start. Steps the replay cannot follow (a wait whose matched peer op is never
-    posted: a deadlock) are left out.
+def latency_free_lengths(run, pairs: pd.DataFrame, spans: dict) -> dict:
+    """step -> how long that step's pipeline window (its first pass's start to its last
+    pass's end, ns) would have lasted had p2p been free and host gaps zero: the step's
+    measured programs (the ranges inside ``spans``: step -> (start, end) of its pipeline
+    ops, run.pipeline_spans, so that a recv posted before the first pass and a send waited
+    on after the last are in them) replayed with their pass durations, zero latency and
+    eager sends, every rank starting at once. Steps the replay cannot follow (a wait whose
+    matched peer op is never posted: a deadlock) are left out.
 
     Each rank's measured program is the ranges it ran on its main thread in their measured
     order: each top-level range a "run" of its measured duration (ranges inside a pass are
@@ -99,7 +100,7 @@ def latency_free_ends(run, pairs: pd.DataFrame, spans: dict) -> dict:
     row, op_kind = row[order], op_kind[order]
     op_program = program[row]
     duration = np.where(op_kind == _RUN, end[row] - start[row], 0)
-    # clocks from 0 at the window's start, durations in integer ns: exact sums
+    # clocks from 0 at the replay's start, durations in integer ns: exact sums
     ran = np.cumsum(duration)
     first = np.r_[True, op_program[1:] != op_program[:-1]] if len(row) else np.zeros(0, bool)
     ran -= np.maximum.accumulate(np.where(first, ran - duration, 0))  # restart at each program
@@ -143,7 +144,7 @@ def latency_free_ends(run, pairs: pd.DataFrame, spans: dict) -> dict:
     np.maximum.at(last, np.searchsorted(known, step[row[ends]]), clock[ends])
     for s in np.unique(work["step"].to_numpy(np.int64)).tolist():  # a step with none inside replays empty
         if s not in stuck:
-            out[int(s)] = windows[int(s)][0] + int(last[np.searchsorted(known, s)])
+            out[int(s)] = int(last[np.searchsorted(known, s)])
     return out
 
 

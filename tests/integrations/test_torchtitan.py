@@ -23,7 +23,7 @@ on this CPU), activation checkpointing off, checkpointing and validation off.
 
 Checks, per the issue, against the logged truth (tests/truth_checks.py): per rank and profiled
 step, compute within 5% of the passes and loss calls as torch ran them, pipeline idle
-(pp_bubble + pp_transfer) within 15 ms of the truth's bracket, 8 microbatches, the schedule
+(pp_bubble + pp_transfer) in the truth's bracket of the pipeline window's idle (IDLE_MS), 8 microbatches, the schedule
 named, each stage's t_fwd / t_bwd within 15% of the median logged pass (the last stage's
 forward with its loss call), and the schedule part of each stage's bubble within 10% of a
 zero-latency replay of the order that really ran (loss included). A check that fails because
@@ -49,7 +49,11 @@ CASES = [(s, m) for s in SCHEDULES for m in MODES]
 #: FSDP's hooks, the chunked loss) is of the same order and is in the truth's spans
 RUN = dict(steps=3, profile_steps="1-2", fwd_ms=10, bwd_ms=20, loss_ms=8)
 PROFILED = (1, 2)
-IDLE_MS = 15.0
+#: mode -> ms of pipeline idle the truth cannot place, per rank-step, beyond its bracket: with
+#: pptrace's ranges, TOLERANCE_MS (the profiler's clock against time.time_ns); a plain trace's
+#: passes are inferred from the ops torch recorded, and torch's Python around them inside the
+#: harness's span (0.1-0.15 ms a pass, 32 passes a rank-step here) counts as idle there
+IDLE_MS = {"pptrace": TOLERANCE_MS, "titan": 15.0}
 
 #: (check, mode[, schedule]) -> why pptrace gets it wrong on that case (a strict xfail, so it
 #: turns red when fixed). None today: both ways pass every check (issue 24 items 2-4 fixed
@@ -229,10 +233,10 @@ def test_compute_is_the_passes_and_loss_calls(runs, case):
 
 @pytest.mark.parametrize("case", cases("idle"))
 def test_idle_is_the_pipeline_windows_idle(runs, case):
-    """pp_bubble + pp_transfer within 15 ms of the truth's bracket (:func:`idle_truth`)."""
-    brackets = idle_truth(runs[case])
-    missed = {k: b.miss_ms(IDLE_MS) for k, b in brackets.items() if b.miss_ms(IDLE_MS)}
-    assert not missed, f"idle outside the truth's bracket (± {IDLE_MS} ms), ms: {missed}; all: {brackets}"
+    """pp_bubble + pp_transfer within IDLE_MS of the truth's bracket (:func:`idle_truth`)."""
+    brackets, tolerance = idle_truth(runs[case]), IDLE_MS[case[1]]
+    missed = {k: b.miss_ms(tolerance) for k, b in brackets.items() if b.miss_ms(tolerance)}
+    assert not missed, f"idle outside the truth's bracket (± {tolerance} ms), ms: {missed}; all: {brackets}"
 
 
 @pytest.mark.parametrize("case", cases("pass_times"))

@@ -1,4 +1,4 @@
-"""The latency-free replay of measured steps (timeline/programs.py ``latency_free_ends``), all
+"""The latency-free replay of measured steps (timeline/programs.py ``latency_free_lengths``), all
 ranks and steps at once, against the event engine (schedules/replay.py ``replay``) run on
 each step's programs built one rank at a time, as the bubble split used to: random steps
 of random ranges, passes and other compute (an optimizer: replayed, yet the step's window
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from pptrace.schedules.replay import Msg, Op, replay
-from pptrace.timeline.programs import latency_free_ends
+from pptrace.timeline.programs import latency_free_lengths
 
 
 def _engine_ends(events: pd.DataFrame, pairs: pd.DataFrame, windows: dict) -> dict:
@@ -49,7 +49,7 @@ def _engine_ends(events: pd.DataFrame, pairs: pd.DataFrame, windows: dict) -> di
             rows = replay(programs, lambda op, stage: op.duration, lambda msg: 0, sends="eager")
         except ValueError:
             continue
-        out[step] = lo + max((row[5] for row in rows if row[1] == "run" and row[2] == 1), default=0)
+        out[step] = max((row[5] for row in rows if row[1] == "run" and row[2] == 1), default=0)
     return out
 
 
@@ -98,11 +98,11 @@ def _random_run(rng, ranks: int, steps: int):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_latency_free_ends_equal_the_engine(seed):
+def test_latency_free_lengths_equal_the_engine(seed):
     rng = np.random.default_rng(seed)
     events, pairs, windows = _random_run(rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)))
     want = _engine_ends(events, pairs, windows)
-    got = latency_free_ends(SimpleNamespace(events=events), pairs, windows)
+    got = latency_free_lengths(SimpleNamespace(events=events), pairs, windows)
     assert got == want
 
 
@@ -112,7 +112,7 @@ def test_random_runs_hold_deadlocks_and_replays_alike():
     for seed in range(40):
         rng = np.random.default_rng(seed)
         events, pairs, windows = _random_run(rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)))
-        got = latency_free_ends(SimpleNamespace(events=events), pairs, windows)
+        got = latency_free_lengths(SimpleNamespace(events=events), pairs, windows)
         kept += len(got)
         left_out += len(set(events["step"])) - len(got)
     assert kept >= 10 and left_out >= 10
@@ -120,7 +120,7 @@ def test_random_runs_hold_deadlocks_and_replays_alike():
 
 def test_a_recv_waits_for_its_sender_s_post_and_nothing_else():
     """By hand: rank 0 computes 100 ns, then sends (posted at 100); rank 1 receives at 0 and
-    computes 50 ns after: with free p2p its recv ends at 100, so the window ends at 150. Rank
+    computes 50 ns after: with free p2p its recv ends at 100, so the window lasts 150. Rank
     0's optimizer after its send (150 ns, to 460 free) is replayed but is no pass: the window
     ends at the last pass (a send waited on after it, torch's runtime schedules', neither)."""
     events = pd.DataFrame([
@@ -130,4 +130,7 @@ def test_a_recv_waits_for_its_sender_s_post_and_nothing_else():
     ], columns=["rank", "lane", "category", "op", "step", "start_ns", "end_ns"])
     events["kind"] = np.where(events["category"] == "p2p", "pp", "compute")
     pairs = pd.DataFrame([(0, 1, 3, 0, 1)], columns=["step", "send_index", "recv_index", "src", "dst"])
-    assert latency_free_ends(SimpleNamespace(events=events), pairs, {0: (0, 1000)}) == {0: 150}
+    assert latency_free_lengths(SimpleNamespace(events=events), pairs, {0: (0, 1000)}) == {0: 150}
+    # the same from wherever the span starts: a length, not a time
+    events[["start_ns", "end_ns"]] += 5_000
+    assert latency_free_lengths(SimpleNamespace(events=events), pairs, {0: (5_000, 6_000)}) == {0: 150}
