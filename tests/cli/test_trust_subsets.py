@@ -6,10 +6,10 @@ wherever those ranks alone measure them, and what needs a peer that is not loade
 of 100% for the stages it did not load. Built from the reference trainer's 4-stage 1F1B sleep
 run (tests/sleep_runs.py), whose full analysis is the truth for every kept rank.
 
-The pipeline window runs from the first pipeline op to the last across *all* stages (DESIGN
+The pipeline window runs from the first pass to the last across *all* stages (DESIGN
 contract 3): without some stages it spans the loaded ones only, so a kept rank's idle time
-between the two windows' edges moves from bubble to other (the last stage posts its first
-recv a few ms before the first stage starts). That shift is bounded here by how far the edges
+between the two windows' edges moves from bubble to other (the first stage's first forward
+starts the whole window, the last backward ends it). That shift is bounded here by how far the edges
 moved; every other number is the full run's to the nanosecond."""
 from __future__ import annotations
 
