@@ -179,18 +179,29 @@ def _stretched_to_calls(spans: list, calls: list, bounds: tuple | None = None) -
     return out
 
 
+def p2p_calls(truth: dict, step: int) -> list:
+    """(start, end) epoch ns of every p2p call (torch's ``_batch_p2p`` posts and
+    ``_wait_batch_p2p`` waits) this rank made in ``step``."""
+    return [(c["start_epoch_ns"], c["end_epoch_ns"]) for c in truth_step(truth, step)["p2p"]]
+
+
 def passes_to_posts(truth: dict, step: int) -> list:
     """:func:`passes` stretched to the p2p calls beside them (torch's ``_batch_p2p`` posts and
     ``_wait_batch_p2p`` waits, as the harness timed them)."""
-    calls = [(c["start_epoch_ns"], c["end_epoch_ns"]) for c in truth_step(truth, step)["p2p"]]
-    return _stretched_to_calls(passes(truth, step), calls)
+    return _stretched_to_calls(passes(truth, step), p2p_calls(truth, step))
+
+
+def megatron_p2p_calls(truth: dict, step: int) -> list:
+    """(start, end) of every p2p post (``_batched_p2p_ops`` / ``_p2p_ops``) and every wait
+    on a handle one returned, in ``step``."""
+    return [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] == "p2p"]
 
 
 def megatron_frames_to_posts(truth: dict, step: int) -> list:
     """Each frame stretched to the p2p calls beside it (a ``_communicate`` call, or a wait on
     a handle it returned), else to the schedule call's bounds."""
-    calls = [(f["start_ns"], f["end_ns"]) for f in truth["frames"] if f["step"] == step and f["op"] == "p2p"]
-    return _stretched_to_calls(megatron_frames(truth, step), calls, _megatron_schedule_call(truth, step)[0])
+    return _stretched_to_calls(megatron_frames(truth, step), megatron_p2p_calls(truth, step),
+                               _megatron_schedule_call(truth, step)[0])
 
 
 def megatron_frames_and_own_work(truth: dict, step: int) -> list:
@@ -282,6 +293,39 @@ def compute_brackets(report: dict, truths: dict, steps, least: Spans, most: Span
             out[rank, step] = Bracket(parts[rank, step]["compute"], covered(least(truth, step), lo, hi) / 1e9,
                                       covered(most(truth, step), lo, hi) / 1e9)
     return out
+
+
+def _compute_in(run, report: dict, truths: dict, steps, spans: Spans, window, inside: bool) -> dict:
+    """(rank, step) -> Bracket of the analysis' compute intervals (``run.activities``) of that
+    step that lie inside (``inside``) or outside the union of ``spans``, pinned to [0, slack]:
+    where a pass is timed around its function, no compute lies outside it and none in a wait.
+    slack: each compute interval's two ends may move by the rank's clock offset."""
+    from pptrace.timeline.intervals import union
+
+    offset = {r["rank"]: abs(r["clock_offset_us"]) * 1e3 for r in report["ranks"]}
+    out = {}
+    for rank, truth in truths.items():
+        for step in steps:
+            compute = run.activities[rank].compute.clip(*window(truths, rank, step))
+            given = spans(truth, step)
+            truth_set = union([a for a, _ in given], [b for _, b in given])
+            part = (compute & truth_set) if inside else (compute - truth_set)
+            out[rank, step] = Bracket(part.total / 1e9, 0.0, 2 * len(compute) * offset.get(rank, 0.0) / 1e9)
+    return out
+
+
+def compute_outside(run, report: dict, truths: dict, steps, most: Spans, window=step_span) -> dict:
+    """Compute the analysis places outside ``most`` (the framework's pass functions, loss
+    calls and the rank's own work, as the harness timed them): at least 0, at most the clock
+    slack. Stronger than :func:`compute_brackets`' total, where a wait booked as compute can
+    hide behind a pass booked short."""
+    return _compute_in(run, report, truths, steps, most, window, inside=False)
+
+
+def compute_in_waits(run, report: dict, truths: dict, steps, waits: Spans, window=step_span) -> dict:
+    """Compute the analysis places inside ``waits`` (the p2p posts and waits as the harness
+    timed them, the pipeline's blocking): at least 0, at most the clock slack."""
+    return _compute_in(run, report, truths, steps, waits, window, inside=True)
 
 
 def assert_compute_is_the_sleeps(report: dict, truths: dict, steps, share: float = 0.08) -> None:

@@ -24,12 +24,16 @@ from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa
 
 from megatron_run import load_truth, run  # noqa: E402
 from truth_checks import (assert_inside, check_dashboard, check_whatif_replay, compute_brackets,  # noqa: E402
-                          idle_brackets, megatron_frames, megatron_frames_and_own_work, megatron_sleeps,
-                          megatron_frames_window, megatron_step_span, megatron_window, schedule_part_misses)
+                          compute_in_waits, compute_outside, idle_brackets, megatron_frames,
+                          megatron_frames_and_own_work, megatron_p2p_calls, megatron_sleeps, megatron_frames_window,
+                          megatron_step_span, megatron_window, schedule_part_misses)
 from pptrace.integrations import megatron as integration  # noqa: E402
 
 RUN = dict(world=2, microbatches=8, steps=3, profile_steps="1-2", fwd_ms=20, bwd_ms=40)
 PROFILED = (1, 2)
+#: issue 42's run: 4 ranks, 2 chunks each, overlap_p2p_comm (the waits in the schedule's
+#: pp_pre_forward / pp_pre_backward, between the passes)
+FOUR = dict(RUN, world=4, fwd_ms=5, bwd_ms=10)
 HOOKED = [(schedules, fn) for fn in ("forward_step", "backward_step", "get_schedule_table", "get_tensor_shapes")] + [
     (p2p_communication, fn) for fn in ("_batched_p2p_ops", "_p2p_ops")]
 
@@ -119,6 +123,35 @@ def test_bubble_and_p2p_lie_within_the_idle_time(measured):
     """Idle in the pipeline window: at least the first to the last frame less the frames, at
     most the earliest schedule call to the latest return less the sleeps."""
     assert_inside(idle_brackets(measured.report, measured.truth, PROFILED, megatron_sleeps, megatron_frames,
+                                window=megatron_window, inner=megatron_frames_window), "bubble + p2p")
+
+
+@pytest.fixture(scope="module")
+def interleaved_four(tmp_path_factory) -> Measured:
+    import pptrace
+    from pptrace.analysis import analyze
+
+    out = run(tmp_path_factory.mktemp("interleaved4") / "run", "interleaved", mode="pptrace", **FOUR)
+    loaded = pptrace.load_run(out, use_cache=False)
+    return Measured("interleaved", loaded, analyze(loaded), load_truth(out))
+
+
+@pytest.mark.slow
+def test_four_ranks_interleaved_compute_lies_in_the_frames_and_never_in_a_wait(interleaved_four):
+    """Issue 42 (the last rank's compute 273-275 ms against 243 of sleeps and autograd): where
+    the compute lies. Compute outside Megatron's forward_step / backward_step calls (its loss
+    inside forward_step included) and the rank's own work: at least 0, at most the clock slack
+    (0 on one host); compute inside the p2p posts and the waits on their handles as the
+    harness timed them: the same. Then the totals: compute and bubble + p2p inside the
+    brackets of the 2-rank runs above."""
+    m = interleaved_four
+    assert_inside(compute_outside(m.run, m.report, m.truth, PROFILED, megatron_frames_and_own_work,
+                                  window=megatron_step_span), "compute outside the frames")
+    assert_inside(compute_in_waits(m.run, m.report, m.truth, PROFILED, megatron_p2p_calls,
+                                   window=megatron_step_span), "compute in the p2p calls")
+    assert_inside(compute_brackets(m.report, m.truth, PROFILED, megatron_sleeps, megatron_frames_and_own_work,
+                                   window=megatron_step_span), "compute")
+    assert_inside(idle_brackets(m.report, m.truth, PROFILED, megatron_sleeps, megatron_frames,
                                 window=megatron_window, inner=megatron_frames_window), "bubble + p2p")
 
 
