@@ -20,6 +20,7 @@ from ..errors import TraceError
 from .document import _EVENTS_KEY, _locate_events, _orjson, _strip_bom, parse_document
 from .files import GZIP_MAGIC, inflated_pieces, open_trace
 from .store import lookup
+from . import nsys
 
 _HEADER_PEEK = 1 << 20
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
@@ -116,6 +117,8 @@ def read_header(path, *, cached: bool = False, enough: tuple = (), entries=None)
     gets it from the load's full header (run.load_run). ``entries``: the cache as the caller's
     load sees it (store.Entries), for many headers in a row."""
     path = Path(path)
+    if nsys.is_nsys_name(path.name):  # an export's header is a few small queries: never cached
+        return _checked(normalize_header(nsys.read_header(path), path), path)
     header = _cached_header(path, entries) if cached else None
     if header is not None:
         return _checked(header, path)
