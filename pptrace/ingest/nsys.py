@@ -31,6 +31,7 @@ import pandas as pd
 from ..errors import TraceError
 from .files import open_trace, unchanged
 from .frame import finish_frame
+from .store import source_key, user_cache
 
 SUFFIXES = (".sqlite", ".nsys-rep")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -41,6 +42,7 @@ _WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 #: CUDA_MEMCPY_KIND -> Kineto's memcpy names.
 _COPY_KINDS = {1: "Memcpy HtoD", 2: "Memcpy DtoH", 8: "Memcpy DtoD", 10: "Memcpy PtoP"}
 _TID_MASK = (1 << 24) - 1
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)  # header.rank_of's
 
 
 def is_nsys_name(name: str) -> bool:
@@ -58,7 +60,6 @@ def _exported(path: Path) -> Path:
     if nsys is None:
         raise TraceError(f"{path}: a .nsys-rep needs nsys to read it and nsys is not on PATH; export it with "
                          f"`{rep_command(path)}` and analyse the .sqlite")
-    from .store import user_cache  # the cache's location, not its entries
     st = os.stat(path)
     tag = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = user_cache() / "nsys" / f"{path.stem}-{tag}.sqlite"
@@ -258,17 +259,17 @@ def _threads(ex: Export) -> dict:
 def load(path, rank: int | None = None, *, compact: bool = True):
     """(events table, meta, cache key or None) of one export, as load._load_rank gives a
     trace's: meta has the same keys."""
-    from .header import normalize_header, rank_of  # header.py reads exports through this module
-
     ex = Export(path)
     path = Path(path)
     warnings: list = []
     try:
-        from .store import source_key
         key = source_key(ex.source)
-        header = normalize_header(_header(ex), path)
+        header = _header(ex)  # already in normalize_header's shape
         if rank is None:
-            rank = rank_of(header, path)
+            rank = (header["distributedInfo"] or {}).get("rank")
+        if rank is None:  # header.rank_of's last source (header.py reads exports through this module)
+            match = _RANK_IN_NAME.search(path.name)
+            rank = int(match.group(1)) if match else None
         if rank is None:
             warnings.append(f"{path}: no rank in the export's environment or its name; assuming rank 0")
             rank = 0
