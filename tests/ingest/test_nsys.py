@@ -159,3 +159,36 @@ def test_nsys_rep_without_nsys_says_the_export_command(tmp_path, monkeypatch):
     (run / "rank0.nsys-rep").write_bytes(b"\0" * 64)
     monkeypatch.setenv("PATH", str(tmp_path))  # no nsys
     _fails_in_one_line(run, "nsys export --type sqlite")
+
+
+HTA = Path("/work/shared/fixtures/hta-gpu")
+
+
+@pytest.mark.parametrize("name, rank, world", [("nccl_allreduce_world2_rank0", 0, 2),
+                                               ("sendrecv_allreduce_world8_rank3", 3, 8)])
+def test_a_gpu_trace_written_as_an_nsys_export_analyses_as_its_json(tmp_path, name, rank, world):
+    """The same rank both ways: an HTA GPU trace (torch.profiler, NCCL) and that trace's
+    kernels, memcpy, runtime calls and annotations written in nsys's schema (tests/nsys_export,
+    the real export's CREATE TABLE statements; the rank only in the recorded environment):
+    every step's time, partition and GPU times agree within 1%."""
+    from nsys_export import write_export
+
+    json_run, nsys_run = tmp_path / "json", tmp_path / "nsys"
+    json_run.mkdir(), nsys_run.mkdir()
+    trace = shutil.copy(HTA / f"{name}.json.gz", json_run)
+    frame, meta = load_rank(trace, compact=False)
+    write_export(nsys_run / "export.sqlite", frame, base_ns=meta["base_ns"], env={"RANK": rank, "WORLD_SIZE": world})
+    docs = []
+    for run in (json_run, nsys_run):
+        result = CliRunner().invoke(main, ["analyze", str(run), "--json"])
+        assert result.exit_code == 0, result.output
+        docs.append(json.loads(result.stdout))
+    want, got = (d["ranks"][0] for d in docs)
+    assert got["rank"] == want["rank"] == rank and docs[1]["run"]["world_size"] == world
+    assert [s["step"] for s in got["steps"]] == [s["step"] for s in want["steps"]] and want["steps"]
+    for a, b in zip(got["steps"], want["steps"]):
+        assert a["time_s"] == pytest.approx(b["time_s"], rel=0.01)
+        for part in ("breakdown_s", "gpu"):
+            for key, value in b[part].items():
+                if isinstance(value, float):
+                    assert a[part][key] == pytest.approx(value, rel=0.01, abs=1e-6), (part, key)
