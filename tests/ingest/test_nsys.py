@@ -192,3 +192,17 @@ def test_a_gpu_trace_written_as_an_nsys_export_analyses_as_its_json(tmp_path, na
             for key, value in b[part].items():
                 if isinstance(value, float):
                     assert a[part][key] == pytest.approx(value, rel=0.01, abs=1e-6), (part, key)
+
+
+def test_the_typed_header_of_either_reader():
+    from pptrace.ingest.header import RankHeader
+
+    _, meta = load_rank(FIXTURE)
+    head = RankHeader.of(meta)
+    assert (head.reader, head.rank, head.world_size, head.hostname, head.pptrace) == ("nsys", 0, 2, "nid001608", None)
+    assert head.base_ns == _sql(FIXTURE, "SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME")[0][0]
+    _, meta = load_rank(HTA / "nccl_allreduce_world2_rank0.json.gz")
+    head = RankHeader.of(meta)
+    assert head.reader == "kineto" and head.rank == 0 and head.pg_config == meta["distributed"]["pg_config"]
+    with pytest.raises(ValueError, match="rank"):
+        RankHeader.of({**meta, "rank": -1})
