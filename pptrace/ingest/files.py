@@ -15,6 +15,8 @@ from ..errors import TraceError
 GZIP_MAGIC = b"\x1f\x8b"
 GZIP_MIN_BYTES = 18  # the 10-byte header and the 8-byte trailer
 _TRACE_SUFFIXES = (".json", ".json.gz")
+#: Nsight Systems exports and reports (ingest/nsys.py).
+NSYS_SUFFIXES = (".sqlite", ".nsys-rep")
 _FILE_KINDS = (
     (stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a named pipe (FIFO)"),
     (stat.S_ISSOCK, "is a socket"), (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),
@@ -67,7 +69,7 @@ def gzip_trailer(last8: bytes) -> tuple[int, int]:
 
 
 def is_trace_name(name: str) -> bool:
-    return name.endswith(_TRACE_SUFFIXES) and not name.startswith(".")
+    return name.endswith((*_TRACE_SUFFIXES, *NSYS_SUFFIXES)) and not name.startswith(".")
 
 
 def find_trace_files(run_dir) -> list[Path]:
@@ -85,9 +87,17 @@ def find_trace_files(run_dir) -> list[Path]:
     except OSError as exc:
         raise TraceError(f"cannot list {trace_dir}: {exc.strerror or exc}; check its permissions") from None
     files = [trace_dir / n for n in names if is_trace_name(n) and not (trace_dir / n).is_dir()]
+    # a report and its export side by side are one rank: the export is read
+    exports = {f.name[: -len(".sqlite")] for f in files if f.name.endswith(".sqlite")}
+    files = [f for f in files if not (f.name.endswith(".nsys-rep") and f.name[: -len(".nsys-rep")] in exports)]
+    nsys = [f for f in files if f.name.endswith(NSYS_SUFFIXES)]
+    if nsys and len(nsys) < len(files):
+        other = next(f for f in files if not f.name.endswith(NSYS_SUFFIXES))
+        raise TraceError(f"{trace_dir}: Nsight Systems exports ({nsys[0].name}) and torch.profiler traces "
+                         f"({other.name}) mixed: profile every rank the same way, one kind per directory")
     if not files:
         raise TraceError(
-            f"{run_dir}: no trace files (*.json, *.json.gz) here or in {run_dir}/traces/; "
+            f"{run_dir}: no trace files (*.json, *.json.gz, *.sqlite, *.nsys-rep) here or in {run_dir}/traces/; "
             "did the profiled steps run? (pptrace.profile writes traces/rank<r>.json.gz)"
         )
     return files

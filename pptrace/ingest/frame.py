@@ -210,24 +210,45 @@ def build_frame(slices, rank: int, base_ns: int, path, warnings: list, compact: 
     start = _join(parts.pop("start"), np.int64) + base_ns
     dur = _join(parts.pop("dur"), np.int64)
     why = _join(parts.pop("why"), np.int8)
-    _mark_absurd(start, dur, why)
     name_column, bad_names = names.categorical(parts.pop("name"))
     cat_column, bad_cats = cats.categorical(parts.pop("cat"))
     if bad_names + bad_cats:
         warnings.append(f"{path}: {bad_names + bad_cats} event names or categories hold a lone surrogate "
                         "escape (\\ud800 ...: no text can hold one); shown as U+FFFD")
+    columns = {"pid": _join(parts.pop("pid"), np.int64), "tid": _join(parts.pop("tid"), np.int64),
+               "name": name_column, "cat": cat_column, "start_ns": start, "dur_ns": dur}
+    del start, dur
+    for key in _ARG_INTS:
+        pieces = parts.pop(key)
+        columns[key] = pd.arrays.IntegerArray(_join([d for d, _ in pieces], np.int64),
+                                              _join([m for _, m in pieces], bool))
+        del pieces
+    return finish_frame(columns, why, rank, path, warnings, compact=compact, rpc=rpc, threads=threads, p2p=p2p)
+
+
+def finish_frame(columns: dict, why: np.ndarray, rank: int, path, warnings: list, *, compact: bool = True,
+                 rpc: dict | None = None, threads: dict | None = None, p2p: dict | None = None):
+    """The rank's table (COLUMNS, sorted) and info from its raw columns, whichever reader
+    gathered them (build_frame from JSON slices, ingest/nsys from an export's rows):
+    ``columns`` holds pid, tid (int64), name, cat (Categorical), start_ns, dur_ns (int64, on
+    the rank's clock) and the _ARG_INTS as nullable ints; ``why`` the drop code of each row
+    (0: kept). ``rpc``, ``p2p``: record_param_comms args and p2p facts by row; ``threads``:
+    tid -> thread name. Classification, lanes, steps and NCCL links are decided here, once
+    for every reader."""
+    rpc, threads, p2p = dict(rpc or {}), dict(threads or {}), dict(p2p or {})
+    start, dur = columns.pop("start_ns"), columns.pop("dur_ns")
+    _mark_absurd(start, dur, why)
+    n = len(start)
     df = pd.DataFrame({
         "rank": np.full(n, rank, dtype=np.int32),
-        "pid": _join(parts.pop("pid"), np.int64), "tid": _join(parts.pop("tid"), np.int64),
-        "name": name_column,
-        "cat": cat_column,
+        "pid": columns.pop("pid"), "tid": columns.pop("tid"),
+        "name": columns.pop("name"),
+        "cat": columns.pop("cat"),
         "start_ns": start, "end_ns": start + dur, "dur_ns": dur,
     }, copy=False)
     del start, dur
     for key in _ARG_INTS:
-        pieces = parts.pop(key)
-        df[key] = pd.arrays.IntegerArray(_join([d for d, _ in pieces], np.int64), _join([m for _, m in pieces], bool))
-        del pieces
+        df[key] = columns.pop(key)
     lost_steps = 0
     if why.any():
         df, rpc, p2p, lost_steps = _drop(df, why, rpc, p2p, path, warnings)

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -20,9 +21,53 @@ from ..errors import TraceError
 from .document import _EVENTS_KEY, _locate_events, _orjson, _strip_bom, parse_document
 from .files import GZIP_MAGIC, inflated_pieces, open_trace
 from .store import lookup
+from . import nsys
 
 _HEADER_PEEK = 1 << 20
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class RankHeader:
+    """What the layers above ingest need of one rank's file, whichever reader read it (the
+    Kineto JSON reader, ingest/nsys.py): the typed view of a load's meta, so that no caller
+    reaches into a Kineto-shaped dict. ``pptrace`` / ``distributed``: the pptrace block and
+    distributedInfo where the file has them (an nsys export: distributed holds the rank and
+    world size its recorded environment names)."""
+
+    path: str
+    rank: int
+    world_size: int | None
+    base_ns: int
+    clock_unknown: bool
+    hostname: str | None
+    pptrace: dict | None
+    distributed: dict | None
+    reader: str  # "kineto" or "nsys"
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"{self.path}: rank must be a non-negative int, not {self.rank!r}")
+        if self.reader not in ("kineto", "nsys"):
+            raise ValueError(f"{self.path}: unknown reader {self.reader!r}")
+
+    @classmethod
+    def of(cls, meta: dict) -> "RankHeader":
+        """The header of a load's (or a cache entry's) meta."""
+        return cls(path=meta["path"], rank=meta["rank"], world_size=meta.get("world_size"),
+                   base_ns=int(meta.get("base_ns") or 0), clock_unknown=bool(meta.get("clock_unknown")),
+                   hostname=meta.get("hostname"), pptrace=meta.get("pptrace"), distributed=meta.get("distributed"),
+                   reader="nsys" if nsys.is_nsys_name(meta["path"]) else "kineto")
+
+    @property
+    def pg_config(self):
+        """distributedInfo's pg_config (torch.profiler traces of NCCL runs), else None."""
+        return (self.distributed or {}).get("pg_config")
+
+    @property
+    def clock(self) -> dict:
+        """The pptrace block's wall-clock/perf-clock pair ({} without one)."""
+        return (self.pptrace or {}).get("clock") or {}
 
 
 def normalize_header(header: dict, path: Path) -> dict:
@@ -116,6 +161,8 @@ def read_header(path, *, cached: bool = False, enough: tuple = (), entries=None)
     gets it from the load's full header (run.load_run). ``entries``: the cache as the caller's
     load sees it (store.Entries), for many headers in a row."""
     path = Path(path)
+    if nsys.is_nsys_name(path.name):  # an export's header is a few small queries: never cached
+        return _checked(normalize_header(nsys.read_header(path), path), path)
     header = _cached_header(path, entries) if cached else None
     if header is not None:
         return _checked(header, path)

@@ -23,6 +23,7 @@ from .document import StreamedTrace, Unstreamable, parse_document, read_trace
 from .header import base_time, normalize_header, rank_of
 from .files import unchanged, trace_size
 from .frame import build_frame
+from . import nsys
 
 def load_rank(path, rank: int | None = None, *, typed: bool = True, with_key: bool = False,
               compact: bool = True):
@@ -44,6 +45,8 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
     """load_rank, plus the cache key of the bytes parsed: None when the file changed while
     it was read, so that no entry ever holds one version's table under another's key."""
     path = Path(path)
+    if nsys.is_nsys_name(path.name):  # the Nsight Systems reader (ingest/nsys.py), same table and meta
+        return nsys.load(path, rank, compact=compact)
     try:
         header, frame, info, warnings, (opened, probe, base, bad_base, rank) = _parse_streamed(
             path, rank, typed, compact)

@@ -53,8 +53,9 @@ _META_KEY = b"pptrace.ingest.store"
 #: Bytes hashed at each end of a trace file: a look-up reads these two only.
 _PROBE_BYTES = 64 << 10
 _TMP_SUFFIX = ".tmp"
-#: The names _create_tmp gives: ``.<trace>.json[.gz].arrow.<pid>.<8 hex digits>.tmp``.
-_TMP_NAME = re.compile(r"\..+\.json(\.gz)?\.arrow\.\d+\.[0-9a-f]{8}\.tmp")
+#: The names _create_tmp gives: ``.<trace>.json[.gz].arrow.<pid>.<8 hex digits>.tmp`` (or of an
+#: Nsight export, ``.sqlite`` / ``.nsys-rep``).
+_TMP_NAME = re.compile(r"\..+(\.json(\.gz)?|\.sqlite|\.nsys-rep)\.arrow\.\d+\.[0-9a-f]{8}\.tmp")
 #: Writing one entry takes seconds; a temporary file this old is a killed run's leftover.
 _STALE_TMP_S = 600
 #: The entries' format beside the table's schema (schema.SCHEMA_VERSION): 2 since their
