@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import align, claims, clocks, infer, match
+from . import align, claims, clocks, infer, match, whole_trace
 from ..ingest import comm_kernels as comm_kernels_mod, memory
 from .claims import is_count, shape
 from ..errors import TraceError
@@ -311,6 +311,9 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
         events = assemble(tables)  # empties `tables`
         memory.release()
     placed = clocks.place(events, metas, assume_same_run, warnings)
+    events, metas, whole = whole_trace.as_one_step(events, metas)  # no prof.step(): one step each
+    if whole:
+        warnings.append(whole)
     run_steps, differ = _check_steps(metas, warnings, path)
     if steps is not None:
         keep = {int(s) for s in steps}
@@ -333,7 +336,7 @@ def load_run(path, *, ranks=None, steps=None, use_cache: bool = True, progress=N
     with phase(ALIGN, enabled=progress):
         return _finish(path, events, run_layout, metas, run_steps, warnings, layout_known=known,
                        layout_said=said, requested=None if wanted is None else sorted(wanted),
-                       comm_kernels=found_kernels, placed=placed)
+                       comm_kernels=found_kernels, placed=placed, whole_line=whole)
 
 
 def _peers_not_loaded(events, pairs, requested, loaded, layout, said: list) -> list:
@@ -360,7 +363,8 @@ def _peers_not_loaded(events, pairs, requested, loaded, layout, said: list) -> l
 
 
 def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = True,
-            layout_said: str | None = None, requested=None, comm_kernels=None, placed=None) -> Run:
+            layout_said: str | None = None, requested=None, comm_kernels=None, placed=None,
+            whole_line: str | None = None) -> Run:
     loaded = sorted(metas)
     given = {f: _common(f, metas) for f in ("schedule", "microbatches", "vpp")}
     claimed = {f for f, value in given.items() if value is not None}  # what the pptrace block says
@@ -388,6 +392,8 @@ def _finish(path, events, layout, metas, steps, warnings, layout_known: bool = T
         # the dense layout has no ep dim: say so rather than show a plain dpN as if that were all
         inferred["ep"] = (f"expert-parallel all-to-all from its kernels ({', '.join(ep)}); the traces do not say "
                           "the expert groups, so the ranks are shown by their dense layout")
+    if whole_line:  # no ProfilerStep#N range: the step is the whole trace (whole_trace.py)
+        inferred["steps"] = "one step, step 0, spanning each rank's whole trace (no ProfilerStep#N range)"
     layout, given, w_claims = claims.cross_check(events, layout, given, claimed, metas,
                                            None if found is not None else layout_said)
     warnings = [*warnings, *w_claims]
