@@ -216,16 +216,10 @@ def _megatron_schedule_call(truth: dict, step: int) -> list:
     return [(s["pipeline_start_ns"], s["pipeline_end_ns"])]
 
 
-def megatron_window(truths: dict, rank: int, step: int) -> tuple:
-    """:func:`pipeline_window` of a Megatron run: the earliest schedule call to the latest
-    return, within ``rank``'s step."""
-    return _spanning(truths, rank, step, _megatron_schedule_call, "start_ns", "end_ns")
-
-
 def megatron_frames_window(truths: dict, rank: int, step: int) -> tuple:
     """:func:`passes_window` of a Megatron run: the first pass Megatron started on any rank
-    to the last one it ended (it spends ~1 ms in the schedule call before its first pipeline
-    operation and after its last, which is no part of the pipeline window)."""
+    to the last one it ended, the pipeline window (it spends ~1 ms in the schedule call before
+    its first pipeline operation and after its last, which is no part of it)."""
     return _spanning(truths, rank, step, megatron_frames, "start_ns", "end_ns")
 
 
