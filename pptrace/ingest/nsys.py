@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import union_categoricals
 
 from ..errors import TraceError
 from .files import open_trace, unchanged
@@ -43,6 +44,26 @@ _WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 _COPY_KINDS = {1: "Memcpy HtoD", 2: "Memcpy DtoH", 8: "Memcpy DtoD", 10: "Memcpy PtoP"}
 _TID_MASK = (1 << 24) - 1
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)  # header.rank_of's
+#: Rows fetched from SQLite at a time: their tuples, a few tens of MB, are all that is held
+#: beyond the typed columns.
+FETCH_ROWS = 1 << 16
+
+
+def _nullable_ints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 data, null mask) of a column fetched from SQLite (ints or None)."""
+    mask = np.equal(values, None)
+    return np.where(mask, 0, values).astype(np.int64), mask
+
+
+def _joined(pieces: list, kind: str):
+    """One column from its pieces: (int64, mask) for ``i``, a Categorical for ``t``."""
+    if kind == "i":
+        if not pieces:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        return np.concatenate([d for d, _ in pieces]), np.concatenate([m for _, m in pieces])
+    if not pieces:
+        return pd.Categorical([])
+    return union_categoricals([p.set_categories(p.categories.astype(object)) for p in pieces])
 
 
 def is_nsys_name(name: str) -> bool:
@@ -107,16 +128,30 @@ class Export:
     def col(self, table: str, column: str, alias: str = "t") -> str:
         return f"{alias}.{column}" if column in self.columns.get(table, ()) else "NULL"
 
-    def rows(self, sql: str, n_cols: int) -> list:
-        """The result's columns as arrays (object where text or NULL may appear)."""
+    def rows(self, sql: str, kinds: str) -> list:
+        """The result's columns, read FETCH_ROWS at a time (so that no list of every row's
+        tuple is ever held: ~300 bytes a row for a kernel table's): per ``kinds`` letter an
+        ``i`` column as (int64 values, null mask), a ``t`` column as a Categorical (NaN for
+        NULL; its strings coded once, a Python step per distinct string, not per row)."""
+        out: list = [[] for _ in kinds]
+        seen: list = [{} for _ in kinds]  # a text column's strings -> their code, over the chunks
         try:
-            got = self.db.execute(sql).fetchall()
+            cursor = self.db.execute(sql)
+            while chunk := cursor.fetchmany(FETCH_ROWS):
+                for got, known, kind, values in zip(out, seen, kinds, zip(*chunk)):
+                    values = np.asarray(values, dtype=object)
+                    if kind == "i":
+                        got.append(_nullable_ints(values))
+                        continue
+                    codes, uniques = pd.factorize(values)  # None -> -1
+                    lut = np.array([known.setdefault(u, len(known)) for u in uniques.tolist()] + [-1], np.int64)
+                    got.append(lut[codes])
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.path}: SQLite cannot read it ({exc}): truncated or damaged? export it again") \
                 from None
-        if not got:
-            return [np.zeros(0, object) for _ in range(n_cols)]
-        return [np.asarray(c, dtype=object) for c in zip(*got)]
+        return [_joined(got, kind) if kind == "i" else
+                pd.Categorical.from_codes(np.concatenate(got) if got else np.zeros(0, np.int64), pd.Index(list(known)))
+                for got, known, kind in zip(out, seen, kinds)]
 
     def scalar(self, sql: str):
         try:
@@ -187,7 +222,7 @@ def _host(ex: Export, table: str, cat: str, name_sql: str, join: str, where: str
     corr = ex.col(table, "correlationId")
     sql = (f"SELECT t.start, t.end, ({gtid} >> 24) & {_TID_MASK}, {gtid} & {_TID_MASK}, {name_sql}, NULL, {corr} "
            f"FROM {table} t{join} WHERE t.end IS NOT NULL AND {where}")
-    return dict(zip(("start", "end", "pid", "tid", "name", "stream", "correlation"), ex.rows(sql, 7)), cat=cat)
+    return dict(zip(("start", "end", "pid", "tid", "name", "stream", "correlation"), ex.rows(sql, "iiiitii")), cat=cat)
 
 
 def _gpu(ex: Export, table: str, cat: str, name_sql: str, join: str = "") -> dict | None:
@@ -195,7 +230,7 @@ def _gpu(ex: Export, table: str, cat: str, name_sql: str, join: str = "") -> dic
         return None
     sql = (f"SELECT t.start, t.end, {ex.col(table, 'deviceId')}, {ex.col(table, 'streamId')}, {name_sql}, "
            f"{ex.col(table, 'streamId')}, {ex.col(table, 'correlationId')} FROM {table} t{join}")
-    return dict(zip(("start", "end", "pid", "tid", "name", "stream", "correlation"), ex.rows(sql, 7)), cat=cat)
+    return dict(zip(("start", "end", "pid", "tid", "name", "stream", "correlation"), ex.rows(sql, "iiiitii")), cat=cat)
 
 
 def _pieces(ex: Export) -> list:
@@ -221,26 +256,27 @@ def _pieces(ex: Export) -> list:
     ) if p is not None]
 
 
-def _ints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 data, null mask) of a column fetched from SQLite (ints or None)."""
-    mask = np.equal(values, None)
-    return np.where(mask, 0, values).astype(np.int64), mask
-
-
 def _columns(pieces: list) -> tuple[dict, np.ndarray]:
-    joined = {k: np.concatenate([p[k] for p in pieces]) if pieces else np.zeros(0, object)
-              for k in ("start", "end", "pid", "tid", "name", "stream", "correlation")}
-    cat = np.concatenate([np.full(len(p["start"]), p["cat"], dtype=object) for p in pieces]) if pieces \
-        else np.zeros(0, object)
-    start, no_start = _ints(joined["start"])
-    end, no_end = _ints(joined["end"])
+    def joined(key):
+        return _joined([p[key] for p in pieces], "t" if key == "name" else "i")
+
+    start, no_start = joined("start")
+    end, no_end = joined("end")
     dur = end - start
     why = np.select([no_start, no_end, dur < 0], [1, 2, 3], 0).astype(np.int8)
-    names = np.where(np.equal(joined["name"], None), "", joined["name"])
-    stream, correlation = (pd.arrays.IntegerArray(*_ints(joined[k])) for k in ("stream", "correlation"))
+    name = joined("name")
+    names = name.add_categories([""]).fillna("") if "" not in name.categories else name.fillna("")
+    # both as pd.Categorical(an object column) codes them: the categories present, sorted
+    names = names.remove_unused_categories()
+    names = names.reorder_categories(sorted(names.categories))
+    present = [p for p in pieces if len(p["start"][0])]
+    cats = sorted({p["cat"] for p in present})
+    cat = pd.Categorical.from_codes(np.repeat(np.array([cats.index(p["cat"]) for p in present], np.int64),
+                                              [len(p["start"][0]) for p in present]), cats)
+    stream, correlation = (pd.arrays.IntegerArray(*joined(k)) for k in ("stream", "correlation"))
     columns = {
-        "pid": _ints(joined["pid"])[0], "tid": _ints(joined["tid"])[0],
-        "name": pd.Categorical(names), "cat": pd.Categorical(cat),
+        "pid": joined("pid")[0], "tid": joined("tid")[0],
+        "name": names, "cat": cat,
         "start_ns": start, "dur_ns": np.where(why == 0, dur, 0),
         "stream": stream, "correlation": correlation,
         "external_id": pd.arrays.IntegerArray(np.zeros(len(start), np.int64), np.ones(len(start), bool)),
@@ -251,9 +287,9 @@ def _columns(pieces: list) -> tuple[dict, np.ndarray]:
 def _threads(ex: Export) -> dict:
     if not ex.has("ThreadNames"):
         return {}
-    tids, names = ex.rows(f"SELECT t.globalTid & {_TID_MASK}, s.value FROM ThreadNames t "
-                          "JOIN StringIds s ON s.id = t.nameId", 2)
-    return dict(zip(tids.tolist(), names.tolist()))
+    (tids, _), names = ex.rows(f"SELECT t.globalTid & {_TID_MASK}, s.value FROM ThreadNames t "
+                               "JOIN StringIds s ON s.id = t.nameId", "it")
+    return dict(zip(tids.tolist(), names.astype(object).tolist()))
 
 
 def load(path, rank: int | None = None, *, compact: bool = True):
