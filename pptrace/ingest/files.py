@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 import zlib
 from pathlib import Path
@@ -68,6 +69,20 @@ def gzip_trailer(last8: bytes) -> tuple[int, int]:
     return int.from_bytes(last8[:4], "little"), int.from_bytes(last8[4:], "little")
 
 
+def is_nsys_name(name) -> bool:
+    """An Nsight Systems export or report (read by ingest/nsys.py, not as JSON)."""
+    return str(name).endswith(NSYS_SUFFIXES)
+
+
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def rank_in_name(path) -> int | None:
+    """The ``rank{r}`` in a file's name (the last source of a rank, after its metadata)."""
+    match = _RANK_IN_NAME.search(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def is_trace_name(name: str) -> bool:
     return name.endswith((*_TRACE_SUFFIXES, *NSYS_SUFFIXES)) and not name.startswith(".")
 
@@ -90,9 +105,9 @@ def find_trace_files(run_dir) -> list[Path]:
     # a report and its export side by side are one rank: the export is read
     exports = {f.name[: -len(".sqlite")] for f in files if f.name.endswith(".sqlite")}
     files = [f for f in files if not (f.name.endswith(".nsys-rep") and f.name[: -len(".nsys-rep")] in exports)]
-    nsys = [f for f in files if f.name.endswith(NSYS_SUFFIXES)]
+    nsys = [f for f in files if is_nsys_name(f.name)]
     if nsys and len(nsys) < len(files):
-        other = next(f for f in files if not f.name.endswith(NSYS_SUFFIXES))
+        other = next(f for f in files if not is_nsys_name(f.name))
         raise TraceError(f"{trace_dir}: Nsight Systems exports ({nsys[0].name}) and torch.profiler traces "
                          f"({other.name}) mixed: profile every rank the same way, one kind per directory")
     if not files:

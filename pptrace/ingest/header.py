@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,11 @@ import orjson
 
 from ..errors import TraceError
 from .document import _EVENTS_KEY, _locate_events, _orjson, _strip_bom, parse_document
-from .files import GZIP_MAGIC, inflated_pieces, open_trace
+from .files import GZIP_MAGIC, inflated_pieces, is_nsys_name, open_trace, rank_in_name
 from .store import lookup
 from . import nsys
 
 _HEADER_PEEK = 1 << 20
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ class RankHeader:
         return cls(path=meta["path"], rank=meta["rank"], world_size=meta.get("world_size"),
                    base_ns=int(meta.get("base_ns") or 0), clock_unknown=bool(meta.get("clock_unknown")),
                    hostname=meta.get("hostname"), pptrace=meta.get("pptrace"), distributed=meta.get("distributed"),
-                   reader="nsys" if nsys.is_nsys_name(meta["path"]) else "kineto")
+                   reader="nsys" if is_nsys_name(meta["path"]) else "kineto")
 
     @property
     def pg_config(self):
@@ -161,7 +159,7 @@ def read_header(path, *, cached: bool = False, enough: tuple = (), entries=None)
     gets it from the load's full header (run.load_run). ``entries``: the cache as the caller's
     load sees it (store.Entries), for many headers in a row."""
     path = Path(path)
-    if nsys.is_nsys_name(path.name):  # an export's header is a few small queries: never cached
+    if is_nsys_name(path.name):  # an export's header is a few small queries: never cached
         return _checked(normalize_header(nsys.read_header(path), path), path)
     header = _cached_header(path, entries) if cached else None
     if header is not None:
@@ -217,8 +215,7 @@ def rank_of(header: dict, path) -> int | None:
         rank = source.get("rank")
         if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
             return rank
-    match = _RANK_IN_NAME.search(Path(path).name)
-    return int(match.group(1)) if match else None
+    return rank_in_name(path)
 
 
 #: No clock reads this many nanoseconds (year 2116); a base beyond it is corrupt.

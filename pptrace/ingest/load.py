@@ -21,7 +21,7 @@ from .cluster import LOCAL, describe, map_jobs
 from .columnar import StoredTable, frame_from_tables, to_arrow
 from .document import StreamedTrace, Unstreamable, parse_document, read_trace
 from .header import base_time, normalize_header, rank_of
-from .files import unchanged, trace_size
+from .files import is_nsys_name, unchanged, trace_size
 from .frame import build_frame
 from . import nsys
 
@@ -45,7 +45,7 @@ def _load_rank(path, rank: int | None = None, *, typed: bool = True, compact: bo
     """load_rank, plus the cache key of the bytes parsed: None when the file changed while
     it was read, so that no entry ever holds one version's table under another's key."""
     path = Path(path)
-    if nsys.is_nsys_name(path.name):  # the Nsight Systems reader (ingest/nsys.py), same table and meta
+    if is_nsys_name(path.name):  # the Nsight Systems reader (ingest/nsys.py), same table and meta
         return nsys.load(path, rank, compact=compact)
     try:
         header, frame, info, warnings, (opened, probe, base, bad_base, rank) = _parse_streamed(

@@ -27,14 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from pandas.api.types import union_categoricals
 
 from ..errors import TraceError
-from .files import open_trace, unchanged
-from .frame import finish_frame
+from .files import open_trace, rank_in_name, unchanged
+from .frame import _Codes, _join, _nullable_parts, finish_frame
 from .store import source_key, user_cache
 
-SUFFIXES = (".sqlite", ".nsys-rep")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 #: Process environment variables that name the rank and the world size, in order of trust
 #: (torchrun, then MPI launchers and Slurm).
@@ -43,31 +41,14 @@ _WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 #: CUDA_MEMCPY_KIND -> Kineto's memcpy names.
 _COPY_KINDS = {1: "Memcpy HtoD", 2: "Memcpy DtoH", 8: "Memcpy DtoD", 10: "Memcpy PtoP"}
 _TID_MASK = (1 << 24) - 1
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)  # header.rank_of's
 #: Rows fetched from SQLite at a time: their tuples, a few tens of MB, are all that is held
 #: beyond the typed columns.
 FETCH_ROWS = 1 << 16
 
 
-def _nullable_ints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 data, null mask) of a column fetched from SQLite (ints or None)."""
-    mask = np.equal(values, None)
-    return np.where(mask, 0, values).astype(np.int64), mask
-
-
-def _joined(pieces: list, kind: str):
-    """One column from its pieces: (int64, mask) for ``i``, a Categorical for ``t``."""
-    if kind == "i":
-        if not pieces:
-            return np.zeros(0, np.int64), np.zeros(0, bool)
-        return np.concatenate([d for d, _ in pieces]), np.concatenate([m for _, m in pieces])
-    if not pieces:
-        return pd.Categorical([])
-    return union_categoricals([p.set_categories(p.categories.astype(object)) for p in pieces])
-
-
-def is_nsys_name(name: str) -> bool:
-    return str(name).endswith(SUFFIXES)
+def _ints(pieces: list) -> tuple[np.ndarray, np.ndarray]:
+    """One (int64 data, null mask) column from its pieces' pairs."""
+    return _join([d for d, _ in pieces], np.int64), _join([m for _, m in pieces], bool)
 
 
 def rep_command(path) -> str:
@@ -128,30 +109,23 @@ class Export:
     def col(self, table: str, column: str, alias: str = "t") -> str:
         return f"{alias}.{column}" if column in self.columns.get(table, ()) else "NULL"
 
-    def rows(self, sql: str, kinds: str) -> list:
+    def rows(self, sql: str, kinds: str, text: _Codes | None = None) -> list:
         """The result's columns, read FETCH_ROWS at a time (so that no list of every row's
         tuple is ever held: ~300 bytes a row for a kernel table's): per ``kinds`` letter an
-        ``i`` column as (int64 values, null mask), a ``t`` column as a Categorical (NaN for
-        NULL; its strings coded once, a Python step per distinct string, not per row)."""
+        ``i`` column as (int64 values, null mask), a ``t`` column as int32 codes into
+        ``text`` (the Kineto reader's codes, frame._Codes: NULL is ""), one the caller shares
+        between its tables or this call's own."""
+        text = text if text is not None else _Codes(bad="")
         out: list = [[] for _ in kinds]
-        seen: list = [{} for _ in kinds]  # a text column's strings -> their code, over the chunks
         try:
             cursor = self.db.execute(sql)
             while chunk := cursor.fetchmany(FETCH_ROWS):
-                for got, known, kind, values in zip(out, seen, kinds, zip(*chunk)):
-                    values = np.asarray(values, dtype=object)
-                    if kind == "i":
-                        got.append(_nullable_ints(values))
-                        continue
-                    codes, uniques = pd.factorize(values)  # None -> -1
-                    lut = np.array([known.setdefault(u, len(known)) for u in uniques.tolist()] + [-1], np.int64)
-                    got.append(lut[codes])
+                for got, kind, values in zip(out, kinds, zip(*chunk)):
+                    got.append(_nullable_parts(values) if kind == "i" else text.add(values))
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.path}: SQLite cannot read it ({exc}): truncated or damaged? export it again") \
                 from None
-        return [_joined(got, kind) if kind == "i" else
-                pd.Categorical.from_codes(np.concatenate(got) if got else np.zeros(0, np.int64), pd.Index(list(known)))
-                for got, known, kind in zip(out, seen, kinds)]
+        return [_ints(got) if kind == "i" else _join(got, np.int32) for got, kind in zip(out, kinds)]
 
     def scalar(self, sql: str):
         try:
@@ -215,25 +189,34 @@ def _string(ex: Export, table: str, column: str) -> tuple[str, str]:
     return f"{alias}.value", f" LEFT JOIN StringIds {alias} ON {alias}.id = t.{column}"
 
 
-def _host(ex: Export, table: str, cat: str, name_sql: str, join: str, where: str = "1") -> dict | None:
+#: each table's SELECT, in this order: "iiiitii" for Export.rows
+_FIELDS = ("start", "end", "pid", "tid", "name", "stream", "correlation")
+
+
+def _piece(ex: Export, sql: str, cat: str, names: _Codes) -> dict:
+    return dict(zip(_FIELDS, ex.rows(sql, "iiiitii", names)), cat=cat)
+
+
+def _host(ex: Export, names: _Codes, table: str, cat: str, name_sql: str, join: str, where: str = "1") -> dict | None:
     if not ex.has(table):
         return None
     gtid = ex.col(table, "globalTid")
     corr = ex.col(table, "correlationId")
     sql = (f"SELECT t.start, t.end, ({gtid} >> 24) & {_TID_MASK}, {gtid} & {_TID_MASK}, {name_sql}, NULL, {corr} "
            f"FROM {table} t{join} WHERE t.end IS NOT NULL AND {where}")
-    return dict(zip(("start", "end", "pid", "tid", "name", "stream", "correlation"), ex.rows(sql, "iiiitii")), cat=cat)
+    return _piece(ex, sql, cat, names)
 
 
-def _gpu(ex: Export, table: str, cat: str, name_sql: str, join: str = "") -> dict | None:
+def _gpu(ex: Export, names: _Codes, table: str, cat: str, name_sql: str, join: str = "") -> dict | None:
     if not ex.has(table):
         return None
     sql = (f"SELECT t.start, t.end, {ex.col(table, 'deviceId')}, {ex.col(table, 'streamId')}, {name_sql}, "
            f"{ex.col(table, 'streamId')}, {ex.col(table, 'correlationId')} FROM {table} t{join}")
-    return dict(zip(("start", "end", "pid", "tid", "name", "stream", "correlation"), ex.rows(sql, "iiiitii")), cat=cat)
+    return _piece(ex, sql, cat, names)
 
 
-def _pieces(ex: Export) -> list:
+def _pieces(ex: Export, names: _Codes) -> list:
+    """Every table's piece, their names coded into ``names``."""
     kname, kjoin = _string(ex, "CUPTI_ACTIVITY_KIND_KERNEL", "demangledName")
     if kname == "NULL":
         kname, kjoin = _string(ex, "CUPTI_ACTIVITY_KIND_KERNEL", "shortName")
@@ -244,29 +227,32 @@ def _pieces(ex: Export) -> list:
     tname, tjoin = _string(ex, "NVTX_EVENTS", "textId")
     text = ex.col("NVTX_EVENTS", "text")
     # ranges only (marks have no end); a range's text is its own or its registered string's
-    nvtx = _host(ex, "NVTX_EVENTS", "user_annotation", f"COALESCE({text}, {tname})", tjoin,
+    nvtx = _host(ex, names, "NVTX_EVENTS", "user_annotation", f"COALESCE({text}, {tname})", tjoin,
                  f"COALESCE({text}, {tname}) IS NOT NULL")
     return [p for p in (
-        _gpu(ex, "CUPTI_ACTIVITY_KIND_KERNEL", "kernel", kname, kjoin),
-        _gpu(ex, "CUPTI_ACTIVITY_KIND_MEMCPY", "gpu_memcpy", f"CASE {copy} {kinds} ELSE 'Memcpy' END"),
-        _gpu(ex, "CUPTI_ACTIVITY_KIND_MEMSET", "gpu_memset", "'Memset'"),
-        _host(ex, "CUPTI_ACTIVITY_KIND_RUNTIME", "cuda_runtime", f"COALESCE({rname}, 'cudaRuntime')", rjoin),
+        _gpu(ex, names, "CUPTI_ACTIVITY_KIND_KERNEL", "kernel", kname, kjoin),
+        _gpu(ex, names, "CUPTI_ACTIVITY_KIND_MEMCPY", "gpu_memcpy", f"CASE {copy} {kinds} ELSE 'Memcpy' END"),
+        _gpu(ex, names, "CUPTI_ACTIVITY_KIND_MEMSET", "gpu_memset", "'Memset'"),
+        _host(ex, names, "CUPTI_ACTIVITY_KIND_RUNTIME", "cuda_runtime", f"COALESCE({rname}, 'cudaRuntime')", rjoin),
         nvtx,
-        _host(ex, "OSRT_API", "osrt", f"COALESCE({oname}, 'osrt')", ojoin),
+        _host(ex, names, "OSRT_API", "osrt", f"COALESCE({oname}, 'osrt')", ojoin),
     ) if p is not None]
 
 
-def _columns(pieces: list) -> tuple[dict, np.ndarray]:
+def _columns(ex: Export) -> tuple[dict, np.ndarray]:
+    """finish_frame's raw columns of every table, and each row's drop code."""
+    codes = _Codes(bad="")
+    pieces = _pieces(ex, codes)
+
     def joined(key):
-        return _joined([p[key] for p in pieces], "t" if key == "name" else "i")
+        return _ints([p[key] for p in pieces])
 
     start, no_start = joined("start")
     end, no_end = joined("end")
     dur = end - start
     why = np.select([no_start, no_end, dur < 0], [1, 2, 3], 0).astype(np.int8)
-    name = joined("name")
-    names = name.add_categories([""]).fillna("") if "" not in name.categories else name.fillna("")
-    # both as pd.Categorical(an object column) codes them: the categories present, sorted
+    names, _ = codes.categorical([p["name"] for p in pieces])
+    # the categories present, sorted (as the reader coded them before it read in chunks)
     names = names.remove_unused_categories()
     names = names.reorder_categories(sorted(names.categories))
     present = [p for p in pieces if len(p["start"][0])]
@@ -287,9 +273,10 @@ def _columns(pieces: list) -> tuple[dict, np.ndarray]:
 def _threads(ex: Export) -> dict:
     if not ex.has("ThreadNames"):
         return {}
-    (tids, _), names = ex.rows(f"SELECT t.globalTid & {_TID_MASK}, s.value FROM ThreadNames t "
-                               "JOIN StringIds s ON s.id = t.nameId", "it")
-    return dict(zip(tids.tolist(), names.astype(object).tolist()))
+    names = _Codes(bad="")
+    (tids, _), codes = ex.rows(f"SELECT t.globalTid & {_TID_MASK}, s.value FROM ThreadNames t "
+                               "JOIN StringIds s ON s.id = t.nameId", "it", names)
+    return dict(zip(tids.tolist(), np.array(list(names.lookup), dtype=object)[codes].tolist()))
 
 
 def load(path, rank: int | None = None, *, compact: bool = True):
@@ -304,8 +291,7 @@ def load(path, rank: int | None = None, *, compact: bool = True):
         if rank is None:
             rank = (header["distributedInfo"] or {}).get("rank")
         if rank is None:  # header.rank_of's last source (header.py reads exports through this module)
-            match = _RANK_IN_NAME.search(path.name)
-            rank = int(match.group(1)) if match else None
+            rank = rank_in_name(path)
         if rank is None:
             warnings.append(f"{path}: no rank in the export's environment or its name; assuming rank 0")
             rank = 0
@@ -321,7 +307,7 @@ def load(path, rank: int | None = None, *, compact: bool = True):
         if not ex.has("NVTX_EVENTS"):
             warnings.append(f"{path}: no NVTX_EVENTS table (profiled without `--trace=nvtx`?): no ranges, steps "
                             "or pipeline operations")
-        columns, why = _columns(_pieces(ex))
+        columns, why = _columns(ex)
         columns["start_ns"] = columns["start_ns"] + (base or 0)
         threads = _threads(ex)
     finally:
