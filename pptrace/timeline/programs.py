@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 
 from ..sweeps import isin, reach_before, running_max
-from ..vocab import COMM_CATEGORIES, PIPELINE_COMPUTE
+from ..vocab import COMM_CATEGORIES
+from .windows import pipeline_passes
 
 #: The main thread's work units: what it replays and what a critical path runs through; a
 #: collective after the pipeline window is not replayed (its wait for the last stage is what
@@ -62,8 +63,8 @@ def latency_free_lengths(run, pairs: pd.DataFrame, spans: dict) -> dict:
     clocks are one running maximum; the waits whose senders' posts are settled settle each
     round, and a round settles at least one wait, so the rounds number the longest chain of
     messages, not the ops."""
-    ev, windows = run.events, spans
-    steps = list(windows)
+    ev = run.events
+    steps = list(spans)
     keep = main_thread_work(ev, steps)
     sel = pairs[pairs["step"].isin(steps).to_numpy()]
     send_of = pd.to_numeric(sel["send_index"], errors="coerce").fillna(-1).to_numpy(np.int64)
@@ -72,16 +73,16 @@ def latency_free_lengths(run, pairs: pd.DataFrame, spans: dict) -> dict:
     step = work["step"].to_numpy(np.int64)
     start, end = work["start_ns"].to_numpy(np.int64), work["end_ns"].to_numpy(np.int64)
     # each step's ranges inside its window, as one selection (not a frame per rank and step)
-    known = np.array(sorted(windows), np.int64)
+    known = np.array(sorted(spans), np.int64)
     at = np.searchsorted(known, step)
-    lo = np.array([windows[int(s)][0] for s in known], np.int64)[at]
-    hi = np.array([windows[int(s)][1] for s in known], np.int64)[at]
+    lo = np.array([spans[int(s)][0] for s in known], np.int64)[at]
+    hi = np.array([spans[int(s)][1] for s in known], np.int64)[at]
     inside = np.flatnonzero((start >= lo) & (end <= hi))
     rank, step, start, end = work["rank"].to_numpy(np.int64)[inside], step[inside], start[inside], end[inside]
     index = work.index.to_numpy()[inside]
     is_pp = ((work["category"] == "p2p") & (work["kind"] == "pp")).to_numpy()[inside] \
         & np.isin(index, np.r_[send_of, recv_of])
-    is_pass = ((work["category"] == "compute").to_numpy() & isin(work["op"], PIPELINE_COMPUTE))[inside]
+    is_pass = pipeline_passes(work)[inside]
     # by step, rank, start, longest first; stable: equal spans keep the trace's order
     order = np.lexsort((-end, start, rank, step))
     rank, step, start, end, index, is_pp, is_pass = (a[order] for a in (rank, step, start, end, index, is_pp, is_pass))

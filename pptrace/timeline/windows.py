@@ -106,6 +106,12 @@ def step_windows(events: pd.DataFrame, steps=None, gpu_ranks=()) -> dict:
     return windows
 
 
+def pipeline_passes(events: pd.DataFrame) -> np.ndarray:
+    """Mask of the pipeline's passes (forward, backward, its halves, a last stage's loss):
+    what the pipeline window spans, and where a replay's step ends."""
+    return (events["category"] == "compute").to_numpy() & isin(events["op"], PIPELINE_COMPUTE)
+
+
 def pipeline_windows(events: pd.DataFrame, pp: int, with_p2p: bool = False) -> dict:
     """step -> Window from the first pass's start to the last one's end, across all stages.
     ``with_p2p``: from the first pipeline op (pass or p2p range) to the last, the span a
@@ -114,10 +120,9 @@ def pipeline_windows(events: pd.DataFrame, pp: int, with_p2p: bool = False) -> d
         return {}
     host = ((events["lane_kind"] == "host").to_numpy() & ~events["gpu_annotation"].to_numpy()
             & (events["step"] >= 0).to_numpy())
-    cat = events["category"]
-    pipe = (cat == "compute").to_numpy() & isin(events["op"], PIPELINE_COMPUTE)
+    pipe = pipeline_passes(events)
     if with_p2p:
-        pipe |= (cat == "p2p").to_numpy()
+        pipe |= (events["category"] == "p2p").to_numpy()
     ops = events.loc[host & pipe, ["step", *(c for c in EXTENT_COLUMNS if c in events.columns)]]
     if ops.empty:
         return {}

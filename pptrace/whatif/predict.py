@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from ..vocab import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, INTERLEAVED, LOSS, PASS_OPS, SCHEDULES, ZB_H1, canonical,
+from ..vocab import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, INTERLEAVED, LOSS, SCHEDULES, ZB_H1, canonical,
                      has_closed_form)
 from ..schedules.replay import PipelineTimes, Timeline, action_programs, simulate
 from ..timeline.programs import main_thread_work
 from ..timeline.projection import gpu_extent
-from ..timeline.windows import Window
+from ..timeline.windows import Window, pipeline_passes
 from .costs import eager_latencies, exchange_latencies, latency_of, overhead, post_cost
 from .experts import balanced_shifts, check_balanceable
 from ..progress import WHATIF, phased
@@ -92,9 +92,8 @@ def _typical_steps(run, notes: list) -> pd.Series:
 def _pipeline_ops(main: pd.DataFrame) -> pd.DataFrame:
     """The passes and pipeline p2p of the main threads; a last stage's loss is replayed as
     part of its microbatch's forward (analyzers/bubble.microbatch_times)."""
-    compute = (main["category"] == "compute") & main["op"].isin((*PASS_OPS, LOSS))
-    p2p = (main["category"] == "p2p") & (main["kind"] == "pp")
-    return main[(compute | p2p).to_numpy()]
+    p2p = ((main["category"] == "p2p") & (main["kind"] == "pp")).to_numpy()
+    return main[pipeline_passes(main) | p2p]
 
 
 def _stage_matrix(ops: pd.DataFrame, op_names, stage_of, p: int, m: int) -> np.ndarray:
